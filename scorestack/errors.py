@@ -1,0 +1,43 @@
+"""Errors shared by every stage; each names what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class ScorestackError(Exception):
+    """Base class for every error scorestack raises on purpose."""
+
+
+class ConfigError(ScorestackError):
+    """A Triton model configuration (config.pbtxt) is invalid."""
+
+
+class SpecError(ScorestackError):
+    """A model spec (YAML) is invalid; the message names the field and the fix."""
+
+
+class PlatformError(ScorestackError):
+    """The local Triton cannot run on this machine (OS, architecture, glibc)."""
+
+
+class ServerError(ScorestackError):
+    """The local Triton server failed to start, stopped, or is not ready."""
+
+
+class VerificationError(ScorestackError):
+    """A compiled artifact does not reproduce its source model."""
+
+
+class FeatureError(ScorestackError):
+    """A feature fetch was asked something invalid (unknown service, bad entity rows)."""
+
+
+class InferenceError(ScorestackError):
+    """An inference request failed; the message names the model."""
+
+
+class RequestValidationError(ScorestackError):
+    """A scoring request is invalid; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
