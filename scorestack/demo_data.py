@@ -133,7 +133,7 @@ def make_fraud_dataset(users: pd.DataFrame, n: int = 60000, seed: int = 17) -> t
     f = frame
     ratio = f["amount"] / (f["user_avg_amount_30d"] + 1.0)
     logit = (
-        -6.3
+        -5.5
         + 1.1 * np.log1p(ratio)
         + 0.6 * f["txn_count_1h"]
         + 0.9 * f["failed_txn_count_24h"]
