@@ -148,15 +148,28 @@ class LocalTriton:
                 code = self.process.returncode if self.process else None
                 raise ServerError(
                     f"tritonserver exited with code {code} before becoming ready "
-                    f"(repository {self.repository}).\n--- log tail ---\n{self.log_tail()}"
+                    f"(repository {self.repository}): {self.failure_reason()}\n--- log tail ---\n{self.log_tail()}"
                 )
             if self.is_ready():
                 return
             time.sleep(0.1)
         raise ServerError(
-            f"tritonserver not ready within {timeout_s:.0f} s (repository {self.repository}).\n"
+            f"tritonserver not ready within {timeout_s:.0f} s (repository {self.repository}): "
+            f"{self.failure_reason()}\n"
             f"--- log tail ---\n{self.log_tail()}"
         )
+
+    def failure_reason(self) -> str:
+        """The server's own error lines (failed loads first), condensed to one paragraph."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except (OSError, AssertionError):
+            return "no server log"
+        picked = [ln.strip() for ln in lines if "load failed for model" in ln or ln.startswith("error:")]
+        picked += [ln.strip() for ln in lines if ln.startswith("E") and ln[1:5].isdigit() and ln.strip() not in picked]
+        noise = ("CUDA", "Cuda", "cuda", "NVML", "DCGM", "GPU")
+        picked = [ln for ln in picked if not any(s in ln for s in noise)]
+        return " | ".join(picked[:3])[:1500] or "no error line in the server log"
 
     def log_tail(self, n_lines: int = 40) -> str:
         try:

@@ -1,0 +1,227 @@
+"""The foundation: a real tritonserver on CPU serving an ONNX model through the local view."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import platform
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aiogrpc
+import tritonclient.http as httpclient
+from sklearn.ensemble import GradientBoostingClassifier
+from skl2onnx import to_onnx
+
+from scorestack.errors import ConfigError, PlatformError, ServerError
+from scorestack.serve import LocalTriton, build_local_view, check_platform, ensure_server_environment
+from scorestack.triton_config import load_config, parse_config
+
+N_FEATURES = 30
+CONFIG = """
+name: "gb"
+backend: "onnxruntime"
+max_batch_size: 64
+input [{ name: "X" data_type: TYPE_FP32 dims: [30] }]
+output [
+  { name: "probabilities" data_type: TYPE_FP32 dims: [2] },
+  { name: "label" data_type: TYPE_INT64 dims: [1] }
+]
+dynamic_batching {
+  max_queue_delay_microseconds: 2000
+  default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 5000000 allow_timeout_override: true max_queue_size: 256 }
+}
+instance_group [{ count: 1 kind: KIND_CPU }]
+response_cache { enable: true }
+"""
+
+
+@pytest.fixture(scope="session")
+def server_env():
+    return ensure_server_environment()
+
+
+@pytest.fixture(scope="module")
+def onnx_repo(tmp_path_factory) -> Path:
+    """A production-style repository: a scikit-learn model converted with skl2onnx, native onnxruntime backend."""
+    root = tmp_path_factory.mktemp("repo")
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(3000, N_FEATURES)).astype(np.float32)
+    y = (X[:, 0] + 0.5 * X[:, 1] * X[:, 2] > 0).astype(int)
+    model = GradientBoostingClassifier(n_estimators=30, max_depth=3, random_state=0).fit(X, y)
+    onx = to_onnx(model, X[:1], options={id(model): {"zipmap": False}})
+    (root / "gb" / "1").mkdir(parents=True)
+    (root / "gb" / "1" / "model.onnx").write_bytes(onx.SerializeToString())
+    (root / "gb" / "config.pbtxt").write_text(CONFIG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(onnx_repo, server_env):
+    with LocalTriton(onnx_repo, server_env=server_env) as s:
+        yield s
+
+
+def _reference(repo: Path, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    sess = ort.InferenceSession(str(repo / "gb" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    label, proba = sess.run(["label", "probabilities"], {"X": X})
+    return proba, label
+
+
+def test_server_environment_has_numpy_1(server_env):
+    # The Python backend stub returns empty tensors with numpy 2: the environment must pin <2.
+    out = subprocess.run([str(server_env.python), "-c", "import numpy; print(numpy.__version__)"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().startswith("1.")
+    assert server_env.tritonserver.exists()
+
+
+def test_grpc_and_http_outputs_equal_onnxruntime(server, onnx_repo):
+    X = np.random.default_rng(1).normal(size=(17, N_FEATURES)).astype(np.float32)
+    want_proba, want_label = _reference(onnx_repo, X)
+
+    g = grpcclient.InferenceServerClient(server.grpc_url)
+    gi = grpcclient.InferInput("X", list(X.shape), "FP32")
+    gi.set_data_from_numpy(X)
+    r = g.infer("gb", [gi], client_timeout=10)
+    np.testing.assert_allclose(r.as_numpy("probabilities"), want_proba, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(r.as_numpy("label").ravel(), want_label)
+
+    h = httpclient.InferenceServerClient(server.http_url, network_timeout=10)
+    hi = httpclient.InferInput("X", list(X.shape), "FP32")
+    hi.set_data_from_numpy(X, binary_data=True)
+    r = h.infer("gb", [hi])
+    np.testing.assert_allclose(r.as_numpy("probabilities"), want_proba, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(r.as_numpy("label").ravel(), want_label)
+    # Not empty, not zeros: the numpy-2 stub trap returns the right shape and no data.
+    assert r.as_numpy("probabilities").sum() == pytest.approx(len(X), rel=1e-5)
+
+
+def test_local_view_keeps_the_production_contract(server):
+    served = load_config(server.view.root / "gb" / "config.pbtxt")
+    prod = parse_config(CONFIG)
+    assert served.backend == "python" and prod.backend == "onnxruntime"
+    assert served.max_batch_size == prod.max_batch_size
+    assert [(t.name, t.data_type, list(t.dims)) for t in served.input] == [(t.name, t.data_type, list(t.dims)) for t in prod.input]
+    assert [(t.name, t.data_type, list(t.dims)) for t in served.output] == [(t.name, t.data_type, list(t.dims)) for t in prod.output]
+    assert served.dynamic_batching == prod.dynamic_batching
+    assert list(served.instance_group) == list(prod.instance_group)
+    assert served.response_cache.enable
+    assert served.parameters["scorestack_runtime"].string_value == "onnxruntime"
+    assert (server.view.root / "gb" / "1" / "model.py").exists()
+
+
+def test_concurrent_requests_are_batched_with_identical_outputs(server, onnx_repo):
+    rng = np.random.default_rng(2)
+    rows = rng.normal(size=(96, N_FEATURES)).astype(np.float32)
+    want_proba, _ = _reference(onnx_repo, rows)
+    g = grpcclient.InferenceServerClient(server.grpc_url)
+    before = g.get_inference_statistics("gb").model_stats[0]
+
+    async def run() -> list[np.ndarray]:
+        client = aiogrpc.InferenceServerClient(server.grpc_url)
+        try:
+            async def one(i: int) -> np.ndarray:
+                inp = aiogrpc.InferInput("X", [1, N_FEATURES], "FP32")
+                inp.set_data_from_numpy(rows[i : i + 1])
+                res = await client.infer("gb", [inp], client_timeout=30)
+                return res.as_numpy("probabilities")[0]
+
+            return await asyncio.gather(*(one(i) for i in range(len(rows))))
+        finally:
+            await client.close()
+
+    got = np.stack(asyncio.run(run()))
+    np.testing.assert_allclose(got, want_proba, rtol=0, atol=1e-6)
+    after = g.get_inference_statistics("gb").model_stats[0]
+    inferences = after.inference_count - before.inference_count
+    executions = after.execution_count - before.execution_count
+    # Unique rows: the cache cannot serve them, so every one was inferred.
+    assert inferences == len(rows)
+    assert executions < inferences, f"no batching: {executions} executions for {inferences} inferences"
+
+
+def test_response_cache_hit_and_metrics(server, onnx_repo):
+    X = np.full((1, N_FEATURES), 0.25, dtype=np.float32)
+    g = grpcclient.InferenceServerClient(server.grpc_url)
+    inp = grpcclient.InferInput("X", [1, N_FEATURES], "FP32")
+    inp.set_data_from_numpy(X)
+    first = g.infer("gb", [inp]).as_numpy("probabilities")
+    hits_before = g.get_inference_statistics("gb").model_stats[0].inference_stats.cache_hit.count
+    second = g.infer("gb", [inp]).as_numpy("probabilities")
+    hits_after = g.get_inference_statistics("gb").model_stats[0].inference_stats.cache_hit.count
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_allclose(second, _reference(onnx_repo, X)[0], atol=1e-6)
+    assert hits_after == hits_before + 1
+
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    success = [ln for ln in text.splitlines() if ln.startswith('nv_inference_request_success{model="gb"')]
+    assert success and float(success[0].rsplit(" ", 1)[1]) >= 2
+    hits = [ln for ln in text.splitlines() if ln.startswith('nv_cache_num_hits_per_model{model="gb"')]
+    assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 1
+
+
+def test_misspelled_field_names_the_field(tmp_path):
+    bad = tmp_path / "m" / "config.pbtxt"
+    bad.parent.mkdir()
+    bad.write_text(CONFIG.replace("max_batch_size", "max_batch_sise"))
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert "max_batch_sise" in str(err.value) and str(bad) in str(err.value)
+    # The local view refuses the repository the same way, before any server starts.
+    (bad.parent / "1").mkdir()
+    with pytest.raises(ConfigError, match="max_batch_sise"):
+        build_local_view(tmp_path, tmp_path / "view")
+
+
+def test_bad_enum_and_wrong_type_are_named():
+    with pytest.raises(ConfigError, match="TYPE_FLOAT32"):
+        parse_config(CONFIG.replace("TYPE_FP32", "TYPE_FLOAT32"))
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        parse_config(CONFIG.replace("max_batch_size: 64", 'max_batch_size: "lots"'))
+
+
+def test_two_servers_at_once(onnx_repo, server_env):
+    X = np.random.default_rng(3).normal(size=(4, N_FEATURES)).astype(np.float32)
+    want, _ = _reference(onnx_repo, X)
+
+    def serve_once() -> tuple[np.ndarray, tuple[int, int, int], str]:
+        with LocalTriton(onnx_repo, server_env=server_env) as s:
+            c = grpcclient.InferenceServerClient(s.grpc_url)
+            inp = grpcclient.InferInput("X", list(X.shape), "FP32")
+            inp.set_data_from_numpy(X)
+            return c.infer("gb", [inp]).as_numpy("probabilities"), (s.grpc_port, s.http_port, s.metrics_port), s.shm_prefix
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(lambda _: serve_once(), range(2))
+    np.testing.assert_allclose(a[0], want, atol=1e-6)
+    np.testing.assert_allclose(b[0], want, atol=1e-6)
+    assert set(a[1]).isdisjoint(b[1]) and a[2] != b[2]
+    assert not list(Path("/dev/shm").glob(f"{a[2]}*")) and not list(Path("/dev/shm").glob(f"{b[2]}*"))
+
+
+def test_failed_start_reports_why(tmp_path, server_env, onnx_repo):
+    repo = tmp_path / "repo"
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.onnx").write_bytes(b"this is not an onnx model")
+    (repo / "broken" / "config.pbtxt").write_text(CONFIG.replace('name: "gb"', 'name: "broken"'))
+    server = LocalTriton(repo, server_env=server_env, ready_timeout_s=60)
+    with pytest.raises(ServerError) as err:
+        server.start()
+    message = str(err.value)
+    assert "load failed for model 'broken'" in message and "log tail" in message
+    assert not server.is_running()
+    assert not list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))
+
+
+def test_unsupported_platform_points_to_docker_compose(monkeypatch):
+    # A fault that cannot be produced for real on this machine: pretend to be macOS on arm64.
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    with pytest.raises(PlatformError, match="docker"):
+        check_platform()
