@@ -1,0 +1,216 @@
+"""Async gRPC inference against Triton: one channel, deadlines, retries on UNAVAILABLE, checked inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import tritonclient.grpc.aio as aiogrpc
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+
+from scorestack.errors import InferenceError, RequestValidationError
+
+DEFAULT_DEADLINE_S = 1.0
+_MAX_MESSAGE = 2**31 - 1
+_CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 500),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    datatype: str  # Triton's name: FP32, INT64, ...
+    shape: tuple[int, ...]  # as the server reports it, batch dimension first when batching
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(triton_to_np_dtype(self.datatype))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    version: str
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    max_batch_size: int
+
+
+@dataclass
+class InferResult:
+    outputs: dict[str, np.ndarray]
+    client_ms: float  # request sent -> response decoded, including retries
+    attempts: int = 1
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _status(exc: InferenceServerException) -> str:
+    return (exc.status() or "").upper()
+
+
+def _is_unavailable(exc: InferenceServerException) -> bool:
+    status = _status(exc)
+    text = str(exc)
+    return "UNAVAILABLE" in status or "StatusCode.UNAVAILABLE" in text or "failed to connect" in text.lower()
+
+
+class TritonClient:
+    """One gRPC channel to Triton per process, reused by every request.
+
+    `infer` checks names, shapes and dtypes against the model's metadata (fetched once) before
+    sending, applies a deadline to every call, retries only UNAVAILABLE with jittered backoff
+    inside that deadline, and raises InferenceError naming the model.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        max_retries: int = 20,
+        backoff_s: float = 0.01,
+    ) -> None:
+        self.url = url
+        self.deadline_s = deadline_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        # Short reconnect backoff: after a Triton restart the channel comes back within ~0.1-1 s
+        # instead of gRPC's default (1 s growing to 120 s), without rebuilding the client.
+        self._client = aiogrpc.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
+        self._models: dict[str, ModelInfo] = {}
+
+    async def __aenter__(self) -> "TritonClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    @property
+    def grpc(self) -> aiogrpc.InferenceServerClient:
+        return self._client
+
+    async def is_ready(self, timeout_s: float = 1.0) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self._client.is_server_ready(client_timeout=timeout_s), timeout_s))
+        except (InferenceServerException, asyncio.TimeoutError, OSError):
+            return False
+
+    async def model_info(self, model: str, *, deadline_s: float | None = None) -> ModelInfo:
+        """Metadata and config of `model`, fetched once and cached."""
+        if model in self._models:
+            return self._models[model]
+        deadline = time.monotonic() + (deadline_s or self.deadline_s)
+        try:
+            meta = await self._retrying(model, deadline, lambda t: self._client.get_model_metadata(model, as_json=True, client_timeout=t))
+            config = await self._retrying(model, deadline, lambda t: self._client.get_model_config(model, as_json=True, client_timeout=t))
+        except InferenceError as exc:
+            if "unknown model" in str(exc).lower() or "not found" in str(exc).lower():
+                raise InferenceError(f"model {model!r}: not served by Triton at {self.url} ({exc.__cause__ or exc})") from exc
+            raise
+        cfg = config.get("config", config)
+        info = ModelInfo(
+            name=model,
+            version=str((meta.get("versions") or ["1"])[-1]),
+            inputs=tuple(TensorInfo(t["name"], t["datatype"], tuple(int(d) for d in t["shape"])) for t in meta["inputs"]),
+            outputs=tuple(TensorInfo(t["name"], t["datatype"], tuple(int(d) for d in t["shape"])) for t in meta["outputs"]),
+            max_batch_size=int(cfg.get("max_batch_size", 0) or 0),
+        )
+        self._models[model] = info
+        return info
+
+    def check_inputs(self, info: ModelInfo, inputs: Mapping[str, np.ndarray]) -> None:
+        """Raise RequestValidationError naming the tensor when inputs do not match the model."""
+        expected = {t.name: t for t in info.inputs}
+        for name in inputs:
+            if name not in expected:
+                raise RequestValidationError(name, f"model {info.name!r} has no input {name!r}; inputs are {sorted(expected)}")
+        for name, tensor in expected.items():
+            if name not in inputs:
+                raise RequestValidationError(name, f"model {info.name!r} needs input {name!r} ({tensor.datatype} {list(tensor.shape)})")
+            array = inputs[name]
+            if not isinstance(array, np.ndarray):
+                raise RequestValidationError(name, f"must be a numpy array, got {type(array).__name__}")
+            if array.dtype != tensor.dtype:
+                raise RequestValidationError(name, f"dtype {array.dtype} does not match model {info.name!r} ({tensor.datatype}); cast with .astype({tensor.dtype.name})")
+            if array.ndim != len(tensor.shape) or any(w not in (-1, g) for w, g in zip(tensor.shape, array.shape)):
+                raise RequestValidationError(name, f"shape {list(array.shape)} does not match model {info.name!r} ({list(tensor.shape)}, -1 = any)")
+            if info.max_batch_size and array.shape[0] > info.max_batch_size:
+                raise RequestValidationError(name, f"batch of {array.shape[0]} exceeds model {info.name!r} max_batch_size {info.max_batch_size}; split it")
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        outputs: Sequence[str] | None = None,
+        *,
+        deadline_s: float | None = None,
+    ) -> InferResult:
+        start = time.perf_counter()
+        deadline = time.monotonic() + (deadline_s or self.deadline_s)
+        info = await self.model_info(model, deadline_s=deadline_s)
+        self.check_inputs(info, inputs)
+        wanted = list(outputs) if outputs is not None else [t.name for t in info.outputs]
+        request_inputs = []
+        for t in info.inputs:
+            array = inputs[t.name]
+            inp = aiogrpc.InferInput(t.name, list(array.shape), t.datatype)
+            inp.set_data_from_numpy(array)
+            request_inputs.append(inp)
+        request_outputs = [aiogrpc.InferRequestedOutput(n) for n in wanted]
+        attempts = 0
+
+        async def call(timeout: float):
+            nonlocal attempts
+            attempts += 1
+            return await self._client.infer(model, request_inputs, outputs=request_outputs, client_timeout=timeout)
+
+        result = await self._retrying(model, deadline, call)
+        out = {n: result.as_numpy(n) for n in wanted}
+        for n, value in out.items():
+            if value is None:
+                raise InferenceError(f"model {model!r}: response has no output {n!r}")
+        return InferResult(out, (time.perf_counter() - start) * 1e3, attempts)
+
+    async def _retrying(self, model: str, deadline: float, call):
+        attempt = 0
+        last: str = ""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise InferenceError(
+                    f"model {model!r}: deadline exceeded before a response from Triton at {self.url}"
+                    + (f" (after {attempt} retries; last error: {last})" if last else "")
+                )
+            try:
+                # wait_for bounds the call even if the channel is stuck connecting.
+                return await asyncio.wait_for(call(remaining), remaining + 0.05)
+            except asyncio.TimeoutError as exc:
+                raise InferenceError(f"model {model!r}: no response from Triton at {self.url} within the deadline") from exc
+            except InferenceServerException as exc:
+                if _is_unavailable(exc) and attempt < self.max_retries:
+                    attempt += 1
+                    last = exc.message() or str(exc)
+                    # Jittered exponential backoff, capped, and never past the deadline.
+                    backoff = min(self.backoff_s * (2 ** (attempt - 1)), 0.2) * (0.5 + random.random())
+                    sleep = min(backoff, max(0.0, deadline - time.monotonic()))
+                    await asyncio.sleep(sleep)
+                    continue
+                if "DEADLINE_EXCEEDED" in _status(exc) or "Deadline Exceeded" in str(exc):
+                    raise InferenceError(f"model {model!r}: deadline exceeded waiting for Triton at {self.url}") from exc
+                if _is_unavailable(exc):
+                    raise InferenceError(f"model {model!r}: Triton at {self.url} unavailable after {attempt + 1} attempts: {exc.message()}") from exc
+                raise InferenceError(f"model {model!r}: {exc.message()}") from exc
