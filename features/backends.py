@@ -1,0 +1,278 @@
+"""Store readers behind the fetch layer: Feast async (Redis), Feast sync in a thread (SQLite), direct Redis.
+
+Each reader answers one question in one store round trip: for these views and entity ids, the
+stored rows (values, found mask, event time) or None where the entity has no row. Timeouts,
+retries and fallbacks are the fetch layer's job, not the readers'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import feast
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """One feature view as the fetch layer reads it (built from the applied Feast registry)."""
+
+    name: str
+    join_key: str
+    features: tuple[str, ...]
+    defaults: np.ndarray  # float32, one per feature
+    ttl_s: float  # 0: never stale
+    cache_ttl_s: float  # 0: never cached
+
+
+class Row(NamedTuple):
+    """One entity's stored values for one view."""
+
+    values: np.ndarray  # float32 [n_features]
+    found: np.ndarray  # bool [n_features]
+    event_ts: float  # epoch seconds; NaN when unknown
+
+
+Wanted = Mapping[str, Sequence[int]]  # view name -> unique entity ids
+Rows = dict[str, list["Row | None"]]  # view name -> rows aligned with the ids asked
+
+
+class Backend:
+    """A store reader. `read` is one round trip; it may raise (the fetch layer turns that into defaults)."""
+
+    name = "backend"
+
+    def __init__(self, views: Mapping[str, ViewSpec]) -> None:
+        self.views = dict(views)
+        self.round_trips = 0
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    async def read(self, wanted: Wanted) -> Rows:
+        raise NotImplementedError
+
+
+# --- Feast SDK ------------------------------------------------------------------------------------
+
+
+def _feast_request(views: Mapping[str, ViewSpec], wanted: Wanted) -> tuple[list[str], dict[str, list[int]]]:
+    """Feature refs and columnar entity rows for one Feast call covering every view asked.
+
+    Views keyed by different join keys (user, item) ask for different numbers of entities; the
+    shorter columns are padded by repeating their last id, which Feast de-duplicates per view.
+    """
+    refs: list[str] = []
+    columns: dict[str, list[int]] = {}
+    for name, ids in wanted.items():
+        spec = views[name]
+        refs += [f"{name}:{f}" for f in spec.features]
+        column = columns.setdefault(spec.join_key, [])
+        seen = set(column)
+        column += [i for i in ids if i not in seen]
+    length = max(len(c) for c in columns.values())
+    for column in columns.values():
+        column += [column[-1]] * (length - len(column))
+    return refs, columns
+
+
+def _parse_feast_response(views: Mapping[str, ViewSpec], wanted: Wanted, columns: dict[str, list[int]], response) -> Rows:
+    from feast.protos.feast.serving.ServingService_pb2 import FieldStatus
+
+    proto = response.proto
+    index = {name: i for i, name in enumerate(proto.metadata.feature_names.val)}
+    present = (FieldStatus.PRESENT, FieldStatus.OUTSIDE_MAX_AGE)
+    out: Rows = {}
+    for name, ids in wanted.items():
+        spec = views[name]
+        position = {v: i for i, v in enumerate(columns[spec.join_key])}
+        results = [proto.results[index[f"{name}__{f}"]] for f in spec.features]
+        rows: list[Row | None] = []
+        for entity in ids:
+            i = position[entity]
+            values = np.empty(len(results), dtype=np.float32)
+            found = np.zeros(len(results), dtype=bool)
+            event_ts = math.nan
+            for j, result in enumerate(results):
+                if result.statuses[i] in present:
+                    value = result.values[i]
+                    kind = value.WhichOneof("val")
+                    if kind is not None:
+                        values[j] = getattr(value, kind)
+                        found[j] = True
+                    ts = result.event_timestamps[i]
+                    if ts.seconds or ts.nanos:
+                        event_ts = ts.seconds + ts.nanos * 1e-9
+            rows.append(Row(values, found, event_ts) if found.any() else None)
+        out[name] = rows
+    return out
+
+
+class FeastAsyncBackend(Backend):
+    """Feast's `get_online_features_async` (Redis, DynamoDB, MongoDB online stores)."""
+
+    name = "feast_async"
+
+    def __init__(self, views: Mapping[str, ViewSpec], store: "feast.FeatureStore") -> None:
+        super().__init__(views)
+        self.store = store
+
+    async def start(self) -> None:
+        await self.store.initialize()
+
+    async def close(self) -> None:
+        await self.store.close()
+        # Feast 0.67's Redis store caches its asyncio client on the store object and never closes
+        # it; that client is bound to this event loop, so drop it here.
+        online = getattr(self.store._get_provider(), "online_store", None)
+        client = getattr(online, "_client_async", None)
+        if client is not None:
+            online._client_async = None
+            try:
+                await client.aclose()
+            except Exception:  # noqa: BLE001 - closing a broken connection must not fail shutdown
+                pass
+
+    async def read(self, wanted: Wanted) -> Rows:
+        self.round_trips += 1
+        refs, columns = _feast_request(self.views, wanted)
+        response = await self.store.get_online_features_async(features=refs, entity_rows=columns, full_feature_names=True)
+        return _parse_feast_response(self.views, wanted, columns, response)
+
+
+class FeastThreadBackend(Backend):
+    """Feast's synchronous `get_online_features` in a worker thread (SQLite has no async reads)."""
+
+    name = "feast_sync"
+
+    def __init__(self, views: Mapping[str, ViewSpec], store: "feast.FeatureStore", max_workers: int = 4) -> None:
+        super().__init__(views)
+        self.store = store
+        self._max_workers = max_workers
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def start(self) -> None:
+        self._executor = ThreadPoolExecutor(self._max_workers, thread_name_prefix="scorestack-features")
+
+    async def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def _read_sync(self, wanted: Wanted) -> Rows:
+        refs, columns = _feast_request(self.views, wanted)
+        response = self.store.get_online_features(features=refs, entity_rows=columns, full_feature_names=True)
+        return _parse_feast_response(self.views, wanted, columns, response)
+
+    async def read(self, wanted: Wanted) -> Rows:
+        if self._executor is None:
+            raise RuntimeError("feast_sync backend used before start()")
+        self.round_trips += 1
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._read_sync, dict(wanted))
+
+
+# --- Direct Redis ---------------------------------------------------------------------------------
+
+
+class DirectRedisBackend(Backend):
+    """Reads Feast's Redis hashes with one pipelined HMGET per entity (all its views at once)."""
+
+    name = "direct"
+
+    def __init__(
+        self,
+        views: Mapping[str, ViewSpec],
+        *,
+        connection_string: str,
+        project: str,
+        entity_key_serialization_version: int = 3,
+    ) -> None:
+        from scorestack.features import redis_layout
+
+        super().__init__(views)
+        self._connection_string = connection_string
+        self._client = None
+        self._encoders = {
+            spec.join_key: redis_layout.Int64KeyEncoder(spec.join_key, project, entity_key_serialization_version)
+            for spec in self.views.values()
+        }
+        self._fields = {name: [redis_layout.field_key(name, f) for f in spec.features] for name, spec in self.views.items()}
+        self._ts_fields = {name: redis_layout.ts_key(name) for name in self.views}
+
+    async def start(self) -> None:
+        from feast.infra.online_stores.redis import RedisOnlineStore
+        from redis import asyncio as redis_asyncio
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        nodes, params = RedisOnlineStore._parse_connection_string(self._connection_string)
+        params.pop("retry", None)
+        params.pop("retry_on_timeout", None)
+        self._client = redis_asyncio.Redis(
+            host=nodes[0]["host"],
+            port=int(nodes[0]["port"]),
+            retry=Retry(NoBackoff(), 0),  # the fetch layer's budget and breaker decide, not redis-py
+            **params,
+        )
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            try:
+                await client.aclose()
+            except Exception:  # noqa: BLE001 - closing a broken connection must not fail shutdown
+                pass
+
+    async def read(self, wanted: Wanted) -> Rows:
+        from scorestack.features.redis_layout import decode_timestamp, decode_values
+
+        if self._client is None:
+            raise RuntimeError("direct backend used before start()")
+        self.round_trips += 1
+        # Group the views by entity: one HMGET per entity reads every view asked of it.
+        groups: dict[str, tuple[list[str], dict[int, None]]] = {}
+        for name, ids in wanted.items():
+            views, entity_ids = groups.setdefault(self.views[name].join_key, ([], {}))
+            views.append(name)
+            entity_ids.update(dict.fromkeys(ids))
+        plan = []
+        async with self._client.pipeline(transaction=False) as pipe:
+            for join_key, (views, entity_ids) in groups.items():
+                fields = [f for v in views for f in self._fields[v]] + [self._ts_fields[v] for v in views]
+                encode = self._encoders[join_key]
+                for entity in entity_ids:
+                    pipe.hmget(encode(entity), fields)
+                plan.append((views, list(entity_ids)))
+            replies = await pipe.execute()
+
+        out: Rows = {}
+        offset = 0
+        for views, entity_ids in plan:
+            n = len(entity_ids)
+            block = replies[offset : offset + n]
+            offset += n
+            n_values = sum(len(self.views[v].features) for v in views)
+            values, found = decode_values([cell for reply in block for cell in reply[:n_values]])
+            values = values.reshape(n, n_values)
+            found = found.reshape(n, n_values)
+            column = 0
+            for k, name in enumerate(views):
+                width = len(self.views[name].features)
+                rows_by_id: dict[int, Row | None] = {}
+                for r, entity in enumerate(entity_ids):
+                    f = found[r, column : column + width]
+                    rows_by_id[entity] = (
+                        Row(values[r, column : column + width], f, decode_timestamp(block[r][n_values + k])) if f.any() else None
+                    )
+                out[name] = [rows_by_id[i] for i in wanted[name]]
+                column += width
+        return out

@@ -1,0 +1,185 @@
+"""The working Feast feature repository: generate it, apply it, materialize it, open it.
+
+The installed package may be read-only, so the repository lives in a directory the user picks
+(default `<workspace>/feature_repo`): the definitions module is copied there beside a rendered
+`feature_store.yaml` and the demo parquet data, and Feast's own CLI (`feast apply`,
+`feast materialize`) works on it unchanged.
+"""
+
+from __future__ import annotations
+
+import shutil
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+import pandas as pd
+
+from scorestack import demo_data, paths
+from scorestack.errors import FeatureError
+
+if TYPE_CHECKING:
+    import feast
+
+PROJECT = "scorestack"
+DEFINITIONS = Path(__file__).resolve().parent / "repo" / "definitions.py"
+
+# Bounds on every Redis call Feast makes (PLATFORM_NOTES: with redis-py's default retries a read
+# against a stopped Redis blocked 6.7-9.8 s). The request path adds its own, tighter budget.
+REDIS_SOCKET_TIMEOUT_S = 1.0
+REDIS_CONNECT_TIMEOUT_S = 0.5
+
+Online = Literal["sqlite", "redis"]
+
+
+def default_repo_dir() -> Path:
+    """`<workspace>/feature_repo`, where `scorestack features apply` writes by default."""
+    return paths.workspace() / "feature_repo"
+
+
+def redis_connection_string(
+    redis_url: str,
+    socket_timeout_s: float = REDIS_SOCKET_TIMEOUT_S,
+    socket_connect_timeout_s: float = REDIS_CONNECT_TIMEOUT_S,
+) -> str:
+    """Feast's `host:port,db=N,...` form of a `redis://[:password@]host:port/db` URL, retries off."""
+    url = urlparse(redis_url)
+    if url.scheme not in ("redis", "rediss") or not url.hostname:
+        raise FeatureError(f"redis_url: expected redis://host:port/db, got {redis_url!r}")
+    db = url.path.lstrip("/") or "0"
+    if not db.isdigit():
+        raise FeatureError(f"redis_url: database must be a number, got {db!r} in {redis_url!r}")
+    parts = [f"{url.hostname}:{url.port or 6379}", f"db={db}"]
+    if url.password:
+        parts.append(f"password={unquote(url.password)}")
+    if url.username:
+        parts.append(f"username={unquote(url.username)}")
+    if url.scheme == "rediss":
+        parts.append("ssl=true")
+    # retry=null: Feast json-decodes it to None, which redis-py turns into "no retries".
+    parts += [f"socket_timeout={socket_timeout_s}", f"socket_connect_timeout={socket_connect_timeout_s}", "retry=null"]
+    return ",".join(parts)
+
+
+def render_feature_store_yaml(
+    online: Online = "sqlite", redis_url: str | None = None, project: str = PROJECT
+) -> str:
+    """The `feature_store.yaml` of a working repository (paths relative to the repository)."""
+    if online == "sqlite":
+        online_store = "online_store:\n  type: sqlite\n  path: data/online.db\n"
+    elif online == "redis":
+        conn = redis_connection_string(redis_url or "redis://127.0.0.1:6379/0")
+        online_store = f'online_store:\n  type: redis\n  connection_string: "{conn}"\n'
+    else:
+        raise FeatureError(f"online: expected 'sqlite' or 'redis', got {online!r}")
+    if not project.isidentifier():
+        raise FeatureError(f"project: must be letters, digits and underscores, got {project!r}")
+    return (
+        f"project: {project}\n"
+        "provider: local\n"
+        "registry: data/registry.db\n"
+        f"{online_store}"
+        "offline_store:\n  type: file\n"
+        "entity_key_serialization_version: 3\n"
+    )
+
+
+def _stamp(df: pd.DataFrame, now: datetime, seed: int) -> pd.DataFrame:
+    """Event times within the 10 minutes before `now` (whole seconds), so no view is stale at demo time."""
+    rng = np.random.default_rng(seed)
+    out = df.copy()
+    ts = pd.Timestamp(now.replace(microsecond=0)) - pd.to_timedelta(rng.integers(1, 600, len(df)), unit="s")
+    out["event_timestamp"] = ts
+    return out
+
+
+def init_repo(
+    repo_dir: str | Path | None = None,
+    online: Online = "sqlite",
+    redis_url: str | None = None,
+    n_users: int = 5000,
+    n_items: int = 2000,
+    *,
+    project: str = PROJECT,
+) -> Path:
+    """Write a working feature repository: definitions, feature_store.yaml and demo parquet data.
+
+    Event timestamps are re-stamped to the last ten minutes (the demo tables carry 2026-11-01).
+    Returns the repository directory. Run `apply` then `materialize` (or `feast apply` and
+    `feast materialize` inside it) to fill the online store.
+    """
+    if n_users < 1 or n_items < 1:
+        raise FeatureError(f"n_users/n_items: must be positive, got {n_users}/{n_items}")
+    repo = Path(repo_dir) if repo_dir is not None else default_repo_dir()
+    yaml_text = render_feature_store_yaml(online, redis_url, project)
+    data = repo / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(DEFINITIONS, repo / "definitions.py")
+    (repo / "feature_store.yaml").write_text(yaml_text)
+    (repo / ".feastignore").write_text("data/\n")
+    now = datetime.now(timezone.utc)
+    _stamp(demo_data.make_users(n_users), now, 1).to_parquet(data / "users.parquet", index=False)
+    _stamp(demo_data.make_items(n_items), now, 2).to_parquet(data / "items.parquet", index=False)
+    return repo
+
+
+def restamp(repo_dir: str | Path) -> None:
+    """Move the demo data's event times to the last ten minutes (before re-materializing a day-old demo)."""
+    data = Path(repo_dir) / "data"
+    now = datetime.now(timezone.utc)
+    for seed, name in enumerate(("users.parquet", "items.parquet"), start=1):
+        _stamp(pd.read_parquet(data / name), now, seed).to_parquet(data / name, index=False)
+
+
+def _check_repo(repo_dir: str | Path) -> Path:
+    repo = Path(repo_dir)
+    if not (repo / "feature_store.yaml").is_file():
+        raise FeatureError(
+            f"repo_dir: no feature_store.yaml in {repo}; create it with `scorestack features apply --repo-dir {repo}`"
+        )
+    return repo
+
+
+def feature_store(repo_dir: str | Path | None = None) -> "feast.FeatureStore":
+    """A `feast.FeatureStore` on a working repository."""
+    import feast
+
+    return feast.FeatureStore(repo_path=str(_check_repo(repo_dir if repo_dir is not None else default_repo_dir())))
+
+
+def apply(repo_dir: str | Path | None = None) -> "feast.FeatureStore":
+    """Register the repository's entities, views and services (what `feast apply` does)."""
+    store = feature_store(repo_dir)
+    # Load the copy in the working repository, as `feast apply` does, so its FileSource paths point
+    # at this repository's data/.
+    store.apply(_load_repo_objects(Path(store.repo_path)))
+    return store
+
+
+def _load_repo_objects(repo: Path) -> list:
+    import importlib.util
+
+    from feast import Entity, FeatureService, FeatureView, FileSource
+
+    spec = importlib.util.spec_from_file_location(f"_scorestack_feature_repo_{abs(hash(str(repo)))}", repo / "definitions.py")
+    if spec is None or spec.loader is None:
+        raise FeatureError(f"repo_dir: cannot load {repo / 'definitions.py'}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kinds = (Entity, FileSource, FeatureView, FeatureService)
+    return [v for v in vars(module).values() if isinstance(v, kinds)]
+
+
+def materialize(
+    repo_dir: str | Path | None = None, end: datetime | None = None, *, restamp_data: bool = False
+) -> "feast.FeatureStore":
+    """Load every row up to `end` (default: now) from the parquet sources into the online store."""
+    repo = _check_repo(repo_dir if repo_dir is not None else default_repo_dir())
+    if restamp_data:
+        restamp(repo)
+    store = feature_store(repo)
+    end = end or datetime.now(timezone.utc) + timedelta(seconds=1)
+    store.materialize(start_date=datetime(2000, 1, 1, tzinfo=timezone.utc), end_date=end)
+    return store
