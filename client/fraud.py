@@ -1,0 +1,105 @@
+"""The fraud request path: one transaction in, a probability and a decision out, with phase timings."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from scorestack import schema
+from scorestack.client.requests import entity_id, numeric_fields, record
+from scorestack.client.timing import PhaseTimer
+from scorestack.client.triton import TritonClient
+from scorestack.errors import RequestValidationError
+from scorestack.features.fetch import FeatureFetcher, FeatureStatus
+
+
+@dataclass(frozen=True)
+class FraudScore:
+    probability: float
+    decision: bool  # probability >= threshold: hold or review the payment
+    threshold: float
+    degraded: bool  # some store features were defaults (store slow or down)
+    degraded_reason: str | None
+    features: np.ndarray  # float32 [n_features], the vector that was scored, in model order
+    feature_status: dict[str, str]  # per store feature: present / missing / stale / defaulted
+    timings_ms: dict[str, float]  # validate, features, assemble, infer, total
+
+
+class FraudService:
+    """Scores one transaction: features fetched first, request fields validated meanwhile, one Triton call.
+
+    `transaction` is a mapping with `user_id` and every field of `schema.FRAUD_REQUEST`.
+    """
+
+    request_fields: tuple[str, ...] = schema.FRAUD_REQUEST
+
+    def __init__(
+        self,
+        triton: TritonClient,
+        fetcher: FeatureFetcher,
+        *,
+        model: str = "fraud_xgb",
+        threshold: float = 0.5,
+        feature_names: Sequence[str] = schema.FRAUD_FEATURES,
+        feature_service: str = "fraud",
+        deadline_s: float | None = None,
+    ) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise RequestValidationError("threshold", f"must be within [0, 1], got {threshold}")
+        self.triton = triton
+        self.fetcher = fetcher
+        self.model = model
+        self.threshold = threshold
+        self.deadline_s = deadline_s
+        self.feature_service = feature_service
+        self.feature_names = tuple(feature_names)
+        store_names = fetcher.feature_names(feature_service)
+        position = {n: i for i, n in enumerate(self.feature_names)}
+        unknown = [n for n in (*store_names, *self.request_fields) if n not in position]
+        if unknown or len(store_names) + len(self.request_fields) != len(self.feature_names):
+            raise RequestValidationError(
+                "feature_names",
+                f"model features must be the store features plus the request fields; not in the model: {unknown}",
+            )
+        self._store_cols = np.array([position[n] for n in store_names], dtype=np.intp)
+        self._request_cols = np.array([position[n] for n in self.request_fields], dtype=np.intp)
+
+    async def score(self, transaction: Mapping[str, Any]) -> FraudScore:
+        timer = PhaseTimer()
+        with timer.phase("validate"):
+            if not isinstance(transaction, Mapping):
+                raise RequestValidationError("transaction", f"must be a mapping of field -> value, got {type(transaction).__name__}")
+            if "user_id" not in transaction:
+                raise RequestValidationError("user_id", "missing; every transaction names its user")
+            user = entity_id(transaction["user_id"], "user_id")
+            # The fetch starts before the rest is validated, so store I/O overlaps the CPU work.
+            fetch = asyncio.ensure_future(self.fetcher.fetch(self.feature_service, {"user_id": user}))
+            try:
+                record(transaction, ("user_id", *self.request_fields), name="")
+                request_values = numeric_fields(transaction, self.request_fields)
+            except BaseException:
+                fetch.cancel()
+                raise
+        with timer.phase("features_wait"):
+            features = await fetch
+        timer.set("features", features.timings.total_s * 1e3)
+        with timer.phase("assemble"):
+            vector = np.empty((1, len(self.feature_names)), dtype=np.float32)
+            vector[0, self._store_cols] = features.values[0]
+            vector[0, self._request_cols] = request_values
+        with timer.phase("infer"):
+            result = await self.triton.infer(self.model, {schema.INPUT_TENSOR: vector}, deadline_s=self.deadline_s)
+        probability = float(result.outputs[schema.OUTPUT_TENSORS["binary"]].reshape(-1)[0])
+        return FraudScore(
+            probability=probability,
+            decision=probability >= self.threshold,
+            threshold=self.threshold,
+            degraded=features.degraded,
+            degraded_reason=features.reason,
+            features=vector[0],
+            feature_status={n: FeatureStatus(int(s)).name.lower() for n, s in zip(features.feature_names, features.status[0])},
+            timings_ms=timer.finish(),
+        )

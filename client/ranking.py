@@ -1,0 +1,119 @@
+"""The ranking request path: one user and hundreds of candidates in, candidates ordered by score out."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from scorestack import schema
+from scorestack.client.requests import entity_id, numeric_fields, record
+from scorestack.client.timing import PhaseTimer
+from scorestack.client.triton import TritonClient
+from scorestack.errors import RequestValidationError
+from scorestack.features.fetch import FeatureFetcher
+
+DEFAULT_MAX_CANDIDATES = 2000
+
+
+@dataclass(frozen=True)
+class RankedList:
+    item_ids: list[int]  # best first
+    scores: np.ndarray  # float32, aligned with item_ids
+    degraded: bool
+    degraded_reason: str | None
+    chunks: int  # Triton calls made (concurrently)
+    timings_ms: dict[str, float]  # validate, features, assemble, infer, total
+
+
+class RankingService:
+    """Ranks candidates for a user: user and item features in one concurrent fetch, batched inference.
+
+    Lists longer than `chunk_size` are split into chunks that Triton scores concurrently (its
+    dynamic batcher and instances work on them in parallel); `benchmarks/bench_request_path.py`
+    measures the chunk size.
+    """
+
+    context_fields: tuple[str, ...] = schema.RANKING_REQUEST
+
+    def __init__(
+        self,
+        triton: TritonClient,
+        fetcher: FeatureFetcher,
+        *,
+        model: str = "ranking_xgb",
+        feature_names: Sequence[str] = schema.RANKING_FEATURES,
+        feature_service: str = "ranking",
+        max_candidates: int = DEFAULT_MAX_CANDIDATES,
+        chunk_size: int | None = 256,
+        deadline_s: float | None = None,
+    ) -> None:
+        self.triton = triton
+        self.fetcher = fetcher
+        self.model = model
+        self.feature_service = feature_service
+        self.max_candidates = max_candidates
+        self.chunk_size = chunk_size
+        self.deadline_s = deadline_s
+        self.feature_names = tuple(feature_names)
+        store_names = fetcher.feature_names(feature_service)
+        position = {n: i for i, n in enumerate(self.feature_names)}
+        unknown = [n for n in (*store_names, *self.context_fields) if n not in position]
+        if unknown or len(store_names) + len(self.context_fields) != len(self.feature_names):
+            raise RequestValidationError("feature_names", f"model features must be store features plus context fields; not in the model: {unknown}")
+        self._store_cols = np.array([position[n] for n in store_names], dtype=np.intp)
+        self._context_cols = np.array([position[n] for n in self.context_fields], dtype=np.intp)
+
+    def _validate_candidates(self, candidate_ids: Any) -> list[int]:
+        if isinstance(candidate_ids, (str, bytes)) or not isinstance(candidate_ids, Sequence | np.ndarray):
+            raise RequestValidationError("candidate_ids", f"must be a list of item ids, got {type(candidate_ids).__name__}")
+        n = len(candidate_ids)
+        if n == 0:
+            raise RequestValidationError("candidate_ids", "empty; send at least one candidate")
+        if n > self.max_candidates:
+            raise RequestValidationError("candidate_ids", f"{n} candidates exceed the limit of {self.max_candidates}; split the request")
+        ids = [entity_id(v, f"candidate_ids[{i}]") for i, v in enumerate(candidate_ids)]
+        if len(set(ids)) != n:
+            seen: set[int] = set()
+            dup = next(i for i in ids if i in seen or seen.add(i))
+            raise RequestValidationError("candidate_ids", f"duplicate item id {dup}; send each candidate once")
+        return ids
+
+    async def rank(self, user_id: Any, candidate_ids: Any, context: Mapping[str, Any]) -> RankedList:
+        timer = PhaseTimer()
+        with timer.phase("validate"):
+            user = entity_id(user_id, "user_id")
+            items = self._validate_candidates(candidate_ids)
+            fetch = asyncio.ensure_future(self.fetcher.fetch(self.feature_service, {"user_id": user, "item_id": items}))
+            try:
+                ctx = numeric_fields(record(context, self.context_fields, name="context"), self.context_fields, "context.")
+            except BaseException:
+                fetch.cancel()
+                raise
+        with timer.phase("features_wait"):
+            features = await fetch
+        timer.set("features", features.timings.total_s * 1e3)
+        with timer.phase("assemble"):
+            n = len(items)
+            batch = np.empty((n, len(self.feature_names)), dtype=np.float32)
+            batch[:, self._store_cols] = features.values
+            batch[:, self._context_cols] = ctx
+        with timer.phase("infer"):
+            info = await self.triton.model_info(self.model, deadline_s=self.deadline_s)
+            size = min(self.chunk_size or n, info.max_batch_size or n)
+            chunks = [batch[i : i + size] for i in range(0, n, size)]
+            results = await asyncio.gather(
+                *(self.triton.infer(self.model, {schema.INPUT_TENSOR: c}, deadline_s=self.deadline_s) for c in chunks)
+            )
+            scores = np.concatenate([r.outputs[schema.OUTPUT_TENSORS["ranking"]].reshape(-1) for r in results])
+        order = np.argsort(-scores, kind="stable")
+        return RankedList(
+            item_ids=[items[i] for i in order],
+            scores=scores[order],
+            degraded=features.degraded,
+            degraded_reason=features.reason,
+            chunks=len(chunks),
+            timings_ms=timer.finish(),
+        )

@@ -1,0 +1,55 @@
+"""Validation of fraud and ranking requests at the edge: every error names the field and the fix."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from scorestack.errors import RequestValidationError
+
+_INT64_MAX = 2**63 - 1
+
+
+def entity_id(value: Any, field: str) -> int:
+    """A positive int64 entity id (bools and floats are refused: an id is not a measurement)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise RequestValidationError(field, f"must be an integer id, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if not 0 < value <= _INT64_MAX:
+        raise RequestValidationError(field, f"must be a positive int64 id, got {value}")
+    return value
+
+
+def number(value: Any, field: str) -> float:
+    """A finite real number; bools count as 0/1 for flag fields."""
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, numbers.Real):
+        raise RequestValidationError(field, f"must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RequestValidationError(field, f"must be finite, got {value}; send a real value (NaN and infinity are not allowed)")
+    if abs(value) > 3.4e38:
+        raise RequestValidationError(field, f"{value} does not fit float32")
+    return value
+
+
+def record(payload: Any, required: Sequence[str], *, name: str, allowed: Sequence[str] = ()) -> dict[str, Any]:
+    """Check that `payload` is a mapping with exactly the `required` (+ `allowed`) keys."""
+    if not isinstance(payload, Mapping):
+        raise RequestValidationError(name, f"must be a mapping of field -> value, got {type(payload).__name__}")
+    missing = [f for f in required if f not in payload]
+    if missing:
+        raise RequestValidationError(f"{name}.{missing[0]}" if name else missing[0], f"missing; required fields: {', '.join(missing)}")
+    known = set(required) | set(allowed)
+    unknown = sorted(str(k) for k in payload if k not in known)
+    if unknown:
+        raise RequestValidationError(f"{name}.{unknown[0]}" if name else unknown[0], f"unknown field; expected only {', '.join(sorted(known))}")
+    return dict(payload)
+
+
+def numeric_fields(payload: Mapping[str, Any], fields: Sequence[str], prefix: str = "") -> np.ndarray:
+    return np.array([number(payload[f], f"{prefix}{f}") for f in fields], dtype=np.float32)
