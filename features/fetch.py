@@ -15,6 +15,7 @@ cached in process.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     import feast
     from prometheus_client import CollectorRegistry
 
+logger = logging.getLogger(__name__)
 BackendName = Literal["feast_async", "feast_sync", "direct"]
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -298,6 +300,7 @@ class FeatureFetcher:
         if not self._started:
             for lane in self._lanes.values():
                 await lane.backend.start()
+                await _warm_up(lane.backend)
             self._started = True
         return self
 
@@ -471,6 +474,18 @@ class FeatureFetcher:
                 self.metrics.stale.labels(spec.name).inc(n_stale)
             offset += width
         return values, status
+
+
+async def _warm_up(backend: Backend, timeout_s: float = 5.0) -> None:
+    """One untimed read, so the first request does not pay for Feast's registry load and connecting.
+
+    A store that is down now is not an error here: requests will get defaults until it is back.
+    """
+    try:
+        await asyncio.wait_for(backend.read({name: [0] for name in backend.views}), timeout_s)
+    except Exception as exc:  # noqa: BLE001 - see docstring
+        logger.warning("feature store warm-up through %s failed: %s: %s", backend.name, type(exc).__name__, exc)
+    backend.round_trips = 0
 
 
 # --- plans from the applied registry ------------------------------------------------------------------
