@@ -1,0 +1,238 @@
+"""Where does the time go? Client phases + Triton's per-model statistics -> a breakdown and advice.
+
+Phases of one request, as a user would optimize them:
+- features: waiting for the feature store on the critical path (the fetch overlaps validation)
+- client: validating the request and assembling the feature matrix in the model's order
+- queue: time in Triton's scheduler queue (dynamic batcher, busy instances)
+- compute: Triton compute input + infer + output (the model itself)
+- network: the rest of the Triton call as the client saw it (gRPC, serialization, the event loop)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+import numpy as np
+
+from pathlib import Path
+
+from scorestack.client.triton import TritonClient
+
+ADVICE = {
+    "features": "feature fetch dominates: cache slow-moving views, coalesce concurrent fetches, use the direct Redis reader for many entities (features/)",
+    "client": "request handling dominates: validate once at the edge, assemble with vectorized numpy, avoid per-row Python work",
+    "queue": "queueing dominates: add model instances (instance_group count), lower max_queue_delay_microseconds, or add replicas and scale on queue time",
+    "compute": "model compute dominates: compile to a faster verified format, quantize, or prune/distill to a smaller model (scorestack compile passes)",
+    "network": "network/serialization dominates: batch candidates into fewer calls, reuse one gRPC channel, use shared memory for large tensors",
+}
+
+
+@dataclass(frozen=True)
+class ServerSnapshot:
+    """Cumulative Triton statistics of one model (nanoseconds and counts)."""
+
+    success_count: int
+    success_ns: int
+    queue_ns: int
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+    cache_hit_count: int
+    inference_count: int
+    execution_count: int
+
+
+async def server_snapshot(triton: TritonClient, model: str) -> ServerSnapshot:
+    stats = await triton.grpc.get_inference_statistics(model, as_json=True, client_timeout=5)
+    s = stats["model_stats"][0]
+    inf = s.get("inference_stats", {})
+
+    def g(name: str, key: str) -> int:
+        return int(inf.get(name, {}).get(key, 0) or 0)
+
+    return ServerSnapshot(
+        success_count=g("success", "count"),
+        success_ns=g("success", "ns"),
+        queue_ns=g("queue", "ns"),
+        compute_input_ns=g("compute_input", "ns"),
+        compute_infer_ns=g("compute_infer", "ns"),
+        compute_output_ns=g("compute_output", "ns"),
+        cache_hit_count=g("cache_hit", "count"),
+        inference_count=int(s.get("inference_count", 0) or 0),
+        execution_count=int(s.get("execution_count", 0) or 0),
+    )
+
+
+@dataclass
+class Breakdown:
+    """Mean milliseconds per request of each phase, with the dominant phase and what to do about it."""
+
+    service: str
+    model: str
+    requests: int
+    phases_ms: dict[str, float]
+    p50_total_ms: float
+    p99_total_ms: float
+    degraded: int
+    avg_batch: float
+    dominant: str = ""
+    advice: str = ""
+    client_phase_p50: dict[str, float] = field(default_factory=dict)
+    client_phase_p99: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.dominant = max(self.phases_ms, key=self.phases_ms.__getitem__)
+        self.advice = ADVICE[self.dominant]
+
+
+def breakdown(
+    service: str,
+    model: str,
+    timings: Sequence[dict[str, float]],
+    calls: int,
+    before: ServerSnapshot,
+    after: ServerSnapshot,
+    degraded: int = 0,
+) -> Breakdown:
+    """Combine client timings of `len(timings)` requests (which made `calls` Triton calls) with the server delta."""
+    n = len(timings)
+    if n == 0:
+        raise ValueError("breakdown needs at least one request")
+    mean = lambda key: float(np.mean([t.get(key, 0.0) for t in timings]))  # noqa: E731
+    served = max(after.success_count - before.success_count, 1)
+    per_call = lambda ns: (ns / served) / 1e6  # noqa: E731 - ms per Triton request
+    queue = per_call(after.queue_ns - before.queue_ns)
+    compute = per_call(
+        (after.compute_input_ns - before.compute_input_ns)
+        + (after.compute_infer_ns - before.compute_infer_ns)
+        + (after.compute_output_ns - before.compute_output_ns)
+    )
+    server_request = per_call(after.success_ns - before.success_ns)
+    calls_per_request = calls / n
+    infer = mean("infer")
+    # Concurrent chunks overlap: attribute server time per request, not per call summed.
+    overlap = 1.0 if calls_per_request <= 1 else 1.0 / calls_per_request
+    queue_r, compute_r, server_r = (x * calls_per_request * overlap for x in (queue, compute, server_request))
+    network = max(infer - server_r, 0.0)
+    phases = {
+        "features": mean("features_wait"),
+        "client": mean("validate") + mean("assemble"),
+        "queue": queue_r,
+        "compute": compute_r,
+        "network": network,
+    }
+    totals = np.array([t["total"] for t in timings])
+    executions = max(after.execution_count - before.execution_count, 1)
+    keys = ("validate", "features", "features_wait", "assemble", "infer", "total")
+    return Breakdown(
+        service=service,
+        model=model,
+        requests=n,
+        phases_ms=phases,
+        p50_total_ms=float(np.percentile(totals, 50)),
+        p99_total_ms=float(np.percentile(totals, 99)),
+        degraded=degraded,
+        avg_batch=(after.inference_count - before.inference_count) / executions,
+        client_phase_p50={k: float(np.percentile([t.get(k, 0.0) for t in timings], 50)) for k in keys},
+        client_phase_p99={k: float(np.percentile([t.get(k, 0.0) for t in timings], 99)) for k in keys},
+    )
+
+
+async def measure(
+    triton: TritonClient,
+    service: str,
+    model: str,
+    send: Callable[[int], Awaitable[Any]],
+    n: int,
+    *,
+    concurrency: int = 1,
+    warmup: int = 10,
+) -> Breakdown:
+    """Send `n` requests through `send(i)` (returning a result with `timings_ms`, `degraded`, maybe `chunks`)."""
+    for i in range(warmup):
+        await send(i)
+    before = await server_snapshot(triton, model)
+    results: list[Any] = []
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with sem:
+            results.append(await send(warmup + i))
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    # Statistics are updated when responses are released: give the last ones a moment.
+    await asyncio.sleep(0.05)
+    after = await server_snapshot(triton, model)
+    calls = sum(getattr(r, "chunks", 1) for r in results)
+    return breakdown(service, model, [r.timings_ms for r in results], calls, before, after, sum(bool(r.degraded) for r in results))
+
+
+def render(breakdowns: Sequence[Breakdown]):
+    """A rich Table of per-phase p50/p99 and the diagnosis per service."""
+    from rich.table import Table
+
+    table = Table(title="Where the time goes (ms per request)")
+    for col in ("service", "phase", "p50", "p99", "mean"):
+        table.add_column(col, justify="right" if col in ("p50", "p99", "mean") else "left")
+    for b in breakdowns:
+        for key in ("validate", "features", "features_wait", "assemble", "infer", "total"):
+            table.add_row(b.service, key, f"{b.client_phase_p50[key]:.3f}", f"{b.client_phase_p99[key]:.3f}", "")
+        for key, value in b.phases_ms.items():
+            table.add_row(b.service, f"[bold]{key}[/bold] (mean)", "", "", f"{value:.3f}")
+    return table
+
+
+def diagnosis_line(b: Breakdown) -> str:
+    share = b.phases_ms[b.dominant] / max(sum(b.phases_ms.values()), 1e-9)
+    return (
+        f"{b.service}: p50 {b.p50_total_ms:.2f} ms, p99 {b.p99_total_ms:.2f} ms over {b.requests} requests; "
+        f"{b.dominant} is {share:.0%} of the time -> {b.advice}"
+    )
+
+
+async def run_diagnosis(
+    grpc_url: str,
+    feature_repo: Path,
+    n_fraud: int = 300,
+    n_ranking: int = 100,
+    n_candidates: int = 200,
+    *,
+    fraud_model: str = "fraud_xgb",
+    ranking_model: str = "ranking_xgb",
+    n_users: int = 5000,
+    n_items: int = 2000,
+) -> list[Breakdown]:
+    """Send demo fraud and ranking traffic through the real services and break down where time went."""
+    import numpy as np
+
+    from scorestack import demo_data
+    from scorestack.client.fraud import FraudService
+    from scorestack.client.ranking import RankingService
+    from scorestack.client.triton import TritonClient
+    from scorestack.features.fetch import FeatureFetcher
+
+    rng = np.random.default_rng(5)
+    fraud_fields = demo_data.make_fraud_requests(n_fraud + 20, seed=99)
+    context = demo_data.make_ranking_context(n_ranking + 20, seed=98)
+    async with TritonClient(grpc_url, deadline_s=2.0) as triton:
+        async with FeatureFetcher.from_repo(feature_repo, timeout_s=0.05) as fetcher:
+            fraud = FraudService(triton, fetcher, model=fraud_model)
+            ranking = RankingService(triton, fetcher, model=ranking_model)
+
+            def fraud_request(i: int) -> dict:
+                row = {k: float(v) for k, v in fraud_fields.iloc[i].items()}
+                return {"user_id": int(rng.integers(1, n_users + 1)), **row}
+
+            async def send_fraud(i: int):
+                return await fraud.score(fraud_request(i))
+
+            async def send_ranking(i: int):
+                items = rng.choice(np.arange(1, n_items + 1), n_candidates, replace=False).tolist()
+                ctx = {k: float(v) for k, v in context.iloc[i].items()}
+                return await ranking.rank(int(rng.integers(1, n_users + 1)), items, ctx)
+
+            b1 = await measure(triton, "fraud", fraud_model, send_fraud, n_fraud)
+            b2 = await measure(triton, "ranking", ranking_model, send_ranking, n_ranking)
+    return [b1, b2]

@@ -1,0 +1,86 @@
+"""`scorestack demo`: train, compile, materialize features, serve, score, diagnose, shut down."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer, demo_app: typer.Typer) -> None:
+    demo_app.callback(invoke_without_command=True)(demo)
+
+
+def demo(
+    ctx: typer.Context,
+    workspace: Optional[Path] = typer.Option(None, help="Where demo state lives (default ./.scorestack)."),
+    fraud_requests: int = typer.Option(300, help="Fraud requests to send."),
+    ranking_requests: int = typer.Option(100, help="Ranking requests to send."),
+    candidates: int = typer.Option(200, help="Candidates per ranking request."),
+) -> None:
+    """Run the whole demo on this machine, with nothing else running and no flags needed."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.console import Console
+
+    from scorestack.errors import ScorestackError
+
+    console = Console()
+    try:
+        run_demo(console, workspace, fraud_requests, ranking_requests, candidates)
+    except ScorestackError as exc:
+        console.print(f"[red]demo failed:[/red] {exc}")
+        raise typer.Exit(1)
+
+
+def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_candidates: int) -> list:
+    from scorestack import paths
+    from scorestack.client.diagnose import diagnosis_line, render, run_diagnosis
+    from scorestack.compile import compile_model, train_demo_models
+    from scorestack.features import store
+    from scorestack.serve import LocalTriton
+
+    ws = Path(workspace) if workspace else paths.workspace()
+    ws.mkdir(parents=True, exist_ok=True)
+    models_dir, repository, feature_repo = ws / "models", ws / "model_repository", ws / "feature_repo"
+
+    with console.status("training demo models (skipped when present)"):
+        specs = train_demo_models(models_dir)
+    console.print(f"[green]models[/green] {', '.join(p.stem for p in specs)} in {models_dir}")
+    for spec in specs:
+        with console.status(f"compiling {spec.stem} (skipped when unchanged)"):
+            report = compile_model(spec, repository)
+        console.print(f"[green]compiled[/green] {spec.stem}: selected {_selected(report)}")
+
+    redis_url = os.environ.get("REDIS_URL")
+    online = "redis" if redis_url else "sqlite"
+    with console.status(f"feature store: apply and materialize ({online})"):
+        store.init_repo(feature_repo, online=online, redis_url=redis_url)
+        store.apply(feature_repo)
+        store.materialize(feature_repo)
+    console.print(f"[green]features[/green] materialized into {online} ({feature_repo})")
+
+    with console.status("starting Triton"):
+        server = LocalTriton(repository).start()
+    try:
+        console.print(f"[green]Triton[/green] ready at {server.grpc_url} serving {', '.join(server.view.models)}")
+        breakdowns = asyncio.run(run_diagnosis(server.grpc_url, feature_repo, n_fraud, n_ranking, n_candidates))
+    finally:
+        server.stop()
+
+    console.print(render(breakdowns))
+    for b in breakdowns:
+        console.print(f"[bold]diagnosis[/bold] {diagnosis_line(b)}")
+    console.print("Triton stopped; demo done.")
+    return breakdowns
+
+
+def _selected(report) -> str:
+    selected = getattr(report, "selected", None)
+    if selected is None and isinstance(report, dict):
+        selected = report.get("selected")
+    fmt = getattr(selected, "format", None) or (selected.get("format") if isinstance(selected, dict) else None)
+    return str(fmt or selected)
