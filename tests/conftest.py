@@ -96,3 +96,23 @@ def private_redis(tmp_path: Path):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def compiled_demo(tmp_path_factory):
+    """The demo models, trained and compiled once per session: (models_dir, repository, {name: spec_path})."""
+    from scorestack.compile import compile_model, train_demo_models
+
+    root = tmp_path_factory.mktemp("demo")
+    specs = {p.stem: p for p in train_demo_models(root / "models")}
+    repository = root / "model_repository"
+    for name in ("fraud_xgb", "ranking_xgb", "fraud_sklearn"):
+        compile_model(specs[name], repository)
+    return root / "models", repository, specs
+
+
+@pytest.fixture(scope="session")
+def server_environment():
+    from scorestack.serve import ensure_server_environment
+
+    return ensure_server_environment()

@@ -1,0 +1,288 @@
+"""The online path end to end: real Triton, real Redis, real Feast; scores equal the source models'."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scorestack import demo_data, schema
+from scorestack.client.fraud import FraudService
+from scorestack.client.ranking import RankingService
+from scorestack.client.triton import TritonClient
+from scorestack.errors import InferenceError, RequestValidationError
+from scorestack.features import store
+from scorestack.features.fetch import FeatureFetcher
+from scorestack.serve import LocalTriton
+from scorestack.serve.server import free_port
+
+N_USERS, N_ITEMS = 400, 600
+
+
+def _source(specs, name):
+    from scorestack.compile.loaders import load_source
+    from scorestack.compile.spec import load_spec
+
+    return load_source(load_spec(specs[name]), str(specs[name]))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def feature_repo(tmp_path_factory, redis_url):
+    repo = tmp_path_factory.mktemp("features") / "repo"
+    store.init_repo(repo, online="redis", redis_url=redis_url, n_users=N_USERS, n_items=N_ITEMS, project="e2e_request_path")
+    store.apply(repo)
+    store.materialize(repo)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def triton(compiled_demo, server_environment):
+    _, repository, _ = compiled_demo
+    ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb", "ranking_xgb"], **ports).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def services(loop, triton, feature_repo):
+    client = TritonClient(triton.grpc_url, deadline_s=2.0)
+    fetcher = FeatureFetcher.from_repo(feature_repo, timeout_s=0.5)
+    loop.run_until_complete(fetcher.start())
+    fraud = FraudService(client, fetcher, model="fraud_xgb")
+    ranking = RankingService(client, fetcher, model="ranking_xgb", max_candidates=1000, chunk_size=128)
+    yield client, fetcher, fraud, ranking
+    loop.run_until_complete(fetcher.close())
+    loop.run_until_complete(client.close())
+
+
+def _transaction(i: int, user: int) -> dict:
+    row = demo_data.make_fraud_requests(i + 1, seed=1234).iloc[i]
+    return {"user_id": user, **{k: float(v) for k, v in row.items()}}
+
+
+def _context(i: int = 0) -> dict:
+    return {k: float(v) for k, v in demo_data.make_ranking_context(i + 1, seed=4321).iloc[i].items()}
+
+
+def test_fraud_score_equals_source_model(loop, services, compiled_demo, feature_repo):
+    _, _, fraud, _ = services
+    source = _source(compiled_demo[2], "fraud_xgb")
+    fs = store.feature_store(feature_repo)
+    vectors, scores = [], []
+    for i, user in enumerate([1, 7, 42, 123, 399]):
+        txn = _transaction(i, user)
+        result = loop.run_until_complete(fraud.score(txn))
+        assert not result.degraded and set(result.feature_status.values()) == {"present"}
+        # The assembled vector is Feast's values + the request fields, in the model's order.
+        online = fs.get_online_features(features=fs.get_feature_service("fraud"), entity_rows=[{"user_id": user}]).to_dict()
+        for name in schema.FRAUD_USER_PROFILE + schema.FRAUD_USER_VELOCITY:
+            assert result.features[schema.FRAUD_FEATURES.index(name)] == pytest.approx(online[name][0], rel=1e-6)
+        for name in schema.FRAUD_REQUEST:
+            assert result.features[schema.FRAUD_FEATURES.index(name)] == pytest.approx(txn[name], rel=1e-6)
+        vectors.append(result.features)
+        scores.append(result.probability)
+        assert result.decision == (result.probability >= result.threshold)
+        assert set(result.timings_ms) >= {"validate", "features", "assemble", "infer", "total"}
+    want = source.predict(np.stack(vectors)).ravel()
+    np.testing.assert_allclose(scores, want, atol=1e-5)
+    assert len(set(np.round(scores, 6))) > 1  # real, varying scores, not a constant
+
+
+def test_ranking_order_equals_source_ranker(loop, services, compiled_demo, feature_repo):
+    _, _, _, ranking = services
+    source = _source(compiled_demo[2], "ranking_xgb")
+    rng = np.random.default_rng(0)
+    candidates = rng.choice(np.arange(1, N_ITEMS + 1), 300, replace=False).tolist()
+    ctx = _context()
+    result = loop.run_until_complete(ranking.rank(5, candidates, ctx))
+    assert result.chunks == 3 and not result.degraded
+    # Rebuild the batch from Feast's own read and score it with the source ranker.
+    fs = store.feature_store(feature_repo)
+    online = fs.get_online_features(
+        features=fs.get_feature_service("ranking"), entity_rows=[{"user_id": 5, "item_id": c} for c in candidates]
+    ).to_dict()
+    X = np.empty((len(candidates), len(schema.RANKING_FEATURES)), dtype=np.float32)
+    for j, name in enumerate(schema.RANKING_FEATURES):
+        X[:, j] = online[name] if name in online else ctx[name]
+    want = source.predict(X).ravel()
+    want_order = [candidates[i] for i in np.argsort(-want, kind="stable")]
+    got = dict(zip(result.item_ids, result.scores))
+    np.testing.assert_allclose([got[c] for c in candidates], want, atol=1e-5)
+    assert result.item_ids == want_order
+    assert np.all(np.diff(result.scores) <= 0)
+
+
+def test_one_call_and_chunks_agree(loop, services):
+    client, fetcher, _, _ = services
+    one = RankingService(client, fetcher, model="ranking_xgb", chunk_size=None)
+    many = RankingService(client, fetcher, model="ranking_xgb", chunk_size=50)
+    items = list(range(1, 201))
+    a = loop.run_until_complete(one.rank(9, items, _context()))
+    b = loop.run_until_complete(many.rank(9, items, _context()))
+    assert a.chunks == 1 and b.chunks == 4
+    assert a.item_ids == b.item_ids
+    np.testing.assert_allclose(a.scores, b.scores, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda t: t.pop("amount"), "amount"),
+        (lambda t: t.update(amount="12.5"), "amount"),
+        (lambda t: t.update(merchant_risk=float("nan")), "merchant_risk"),
+        (lambda t: t.update(ip_risk_score=float("inf")), "ip_risk_score"),
+        (lambda t: t.update(user_id=3.5), "user_id"),
+        (lambda t: t.pop("user_id"), "user_id"),
+        (lambda t: t.update(amout=1.0), "amout"),
+    ],
+)
+def test_bad_fraud_input_names_the_field(loop, services, mutate, field):
+    _, _, fraud, _ = services
+    txn = _transaction(0, 3)
+    mutate(txn)
+    with pytest.raises(RequestValidationError) as err:
+        loop.run_until_complete(fraud.score(txn))
+    assert err.value.field == field and field in str(err.value)
+
+
+def test_bad_ranking_input_and_unknown_model(loop, services):
+    client, fetcher, fraud, ranking = services
+    with pytest.raises(RequestValidationError, match="exceed the limit of 1000") as err:
+        loop.run_until_complete(ranking.rank(1, list(range(1, 1002)), _context()))
+    assert err.value.field == "candidate_ids"
+    with pytest.raises(RequestValidationError) as err:
+        loop.run_until_complete(ranking.rank(1, [1, 2, "x"], _context()))
+    assert err.value.field == "candidate_ids[2]"
+    with pytest.raises(RequestValidationError) as err:
+        loop.run_until_complete(ranking.rank(1, [1, 2], {**_context(), "ctx_hour": None}))
+    assert err.value.field == "context.ctx_hour"
+    nobody = FraudService(client, fetcher, model="no_such_model")
+    with pytest.raises(InferenceError, match="no_such_model"):
+        loop.run_until_complete(nobody.score(_transaction(0, 3)))
+
+
+_bad_values = st.one_of(
+    st.just(float("nan")), st.just(float("inf")), st.just(float("-inf")), st.text(max_size=5), st.none(),
+    st.lists(st.floats(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1), st.just(1e39),
+)
+
+
+@st.composite
+def _malformed_transaction(draw):
+    txn = _transaction(0, 11)
+    kind = draw(st.sampled_from(["drop", "bad_value", "extra", "bad_user", "not_mapping"]))
+    if kind == "not_mapping":
+        return draw(st.one_of(st.none(), st.lists(st.integers(), max_size=3), st.text(max_size=5), st.integers()))
+    if kind == "drop":
+        txn.pop(draw(st.sampled_from(sorted(txn))))
+    elif kind == "bad_value":
+        txn[draw(st.sampled_from(list(schema.FRAUD_REQUEST)))] = draw(_bad_values)
+    elif kind == "extra":
+        txn[draw(st.text(min_size=1, max_size=8).filter(lambda k: k not in txn))] = 1.0
+    else:
+        txn["user_id"] = draw(st.one_of(st.integers(max_value=0), st.integers(min_value=2**63), st.floats(), st.text(max_size=4), st.booleans(), st.none()))
+    return txn
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(txn=_malformed_transaction())
+def test_malformed_fraud_requests_get_errors(loop, services, txn):
+    _, _, fraud, _ = services
+    with pytest.raises(RequestValidationError):
+        loop.run_until_complete(fraud.score(txn))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    rows=st.integers(min_value=0, max_value=5),
+    cols=st.sampled_from([0, 1, 29, 31, 40]),
+    dtype=st.sampled_from(["FP32", "FP64", "INT32"]),
+    name=st.sampled_from(["features", "Features", "x"]),
+)
+def test_malformed_tensors_sent_raw_leave_triton_healthy(triton, rows, cols, dtype, name):
+    # Bypass the client's checks: Triton itself must refuse and stay up.
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    np_dtype = {"FP32": np.float32, "FP64": np.float64, "INT32": np.int32}[dtype]
+    inp = grpcclient.InferInput(name, [rows, cols], dtype)
+    inp.set_data_from_numpy(np.zeros((rows, cols), dtype=np_dtype))
+    with pytest.raises(InferenceServerException):
+        client.infer("fraud_xgb", [inp], client_timeout=10)
+    client.close()
+
+
+def test_server_healthy_after_malformed_traffic(loop, services, compiled_demo):
+    client, _, fraud, _ = services
+    assert loop.run_until_complete(client.is_ready())
+    result = loop.run_until_complete(fraud.score(_transaction(1, 8)))
+    want = _source(compiled_demo[2], "fraud_xgb").predict(result.features[None, :]).ravel()[0]
+    assert result.probability == pytest.approx(want, abs=1e-5)
+
+
+def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, feature_repo):
+    _, repository, _ = compiled_demo
+    ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **ports).start()
+    client = TritonClient(server.grpc_url, deadline_s=0.5)
+    fetcher = FeatureFetcher.from_repo(feature_repo, timeout_s=0.5)
+    loop.run_until_complete(fetcher.start())
+    fraud = FraudService(client, fetcher, model="fraud_xgb")
+    try:
+        before = loop.run_until_complete(fraud.score(_transaction(2, 20))).probability
+        server.stop()
+        start = time.monotonic()
+        with pytest.raises(InferenceError, match="fraud_xgb") as err:
+            loop.run_until_complete(fraud.score(_transaction(2, 20)))
+        elapsed = time.monotonic() - start
+        assert "deadline" in str(err.value) or "unavailable" in str(err.value)
+        assert elapsed < 5.0, f"not a hang, but {elapsed:.1f} s for a 0.5 s deadline"  # generous: no hang
+        server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **ports).start()
+        # Same client object: the channel reconnects; no rebuild.
+        fraud.deadline_s = 5.0
+        after = loop.run_until_complete(fraud.score(_transaction(2, 20))).probability
+        assert after == pytest.approx(before, abs=1e-7)
+    finally:
+        server.stop()
+        loop.run_until_complete(fetcher.close())
+        loop.run_until_complete(client.close())
+
+
+def test_redis_stopped_gives_degraded_score(loop, triton, private_redis, tmp_path):
+    repo = tmp_path / "repo"
+    store.init_repo(repo, online="redis", redis_url=private_redis.url, n_users=50, n_items=50, project="e2e_redis_down")
+    store.apply(repo)
+    store.materialize(repo)
+    client = TritonClient(triton.grpc_url, deadline_s=2.0)
+    fetcher = FeatureFetcher.from_repo(repo, timeout_s=0.02, cache=False)
+    loop.run_until_complete(fetcher.start())
+    fraud = FraudService(client, fetcher, model="fraud_xgb")
+    try:
+        healthy = loop.run_until_complete(fraud.score(_transaction(3, 4)))
+        assert not healthy.degraded
+        private_redis.stop()
+        start = time.monotonic()
+        degraded = loop.run_until_complete(fraud.score(_transaction(3, 4)))
+        elapsed = time.monotonic() - start
+        assert degraded.degraded and degraded.degraded_reason
+        assert set(degraded.feature_status.values()) == {"defaulted"}
+        assert 0.0 <= degraded.probability <= 1.0 and math.isfinite(degraded.probability)
+        assert degraded.timings_ms["features"] < 200  # 20 ms budget; 10x slack for a noisy host: no hang
+        assert elapsed < 2.0
+    finally:
+        loop.run_until_complete(fetcher.close())
+        loop.run_until_complete(client.close())
