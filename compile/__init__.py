@@ -1,0 +1,35 @@
+"""The compiler: turn a trained scikit-learn or XGBoost model and a spec into the fastest verified Triton model folder.
+
+Public entry points: `compile_model`, `compile_many`, `load_spec`, `train_demo_models`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imports stay lazy: `scorestack --help` must not load XGBoost and ONNX
+    from .jobs import JobResult, compile_many
+    from .pipeline import compile_model
+    from .report import CompileReport
+    from .spec import ModelSpec, load_spec
+    from .demo import train_demo_models
+
+_EXPORTS = {
+    "compile_model": "pipeline",
+    "compile_many": "jobs",
+    "JobResult": "jobs",
+    "CompileReport": "report",
+    "ModelSpec": "spec",
+    "load_spec": "spec",
+    "train_demo_models": "demo",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,113 @@
+"""Converters for scikit-learn estimators and Pipelines (scalers, linear models, tree ensembles)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+from ._tree_commons import ONNX_OPSET, compile_tl2cgen, hummingbird_onnx, save_onnx_contract
+from .loaders import SourceModel
+from .registry import Artifact, ConvertContext, register_converter
+
+_TARGET_OPSET = {"": ONNX_OPSET, "ai.onnx.ml": 3}
+
+
+def _final_estimator(model: Any) -> Any:
+    return model.steps[-1][1] if hasattr(model, "steps") else model
+
+
+@contextlib.contextmanager
+def _int_missing_flags() -> Iterator[None]:
+    """skl2onnx passes HistGradientBoosting's boolean `missing_go_to_left` into an ints attribute
+    (`AttributeProto.ints: Expected an int, got a boolean`); cast it to int while converting."""
+    from skl2onnx.common import tree_ensemble
+
+    original = tree_ensemble.add_node
+
+    def add_node(*args: Any, **kwargs: Any) -> Any:
+        if "nodes_missing_value_tracks_true" in kwargs:
+            kwargs["nodes_missing_value_tracks_true"] = int(kwargs["nodes_missing_value_tracks_true"])
+        return original(*args, **kwargs)
+
+    tree_ensemble.add_node = add_node
+    try:
+        yield
+    finally:
+        tree_ensemble.add_node = original
+
+
+def convert_sklearn_onnx(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+    """scikit-learn estimator or Pipeline -> ONNX through skl2onnx (ZipMap off)."""
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import FloatTensorType
+
+    model = source.model
+    classifier = source.task in ("binary", "multiclass")
+    options = {id(_final_estimator(model)): {"zipmap": False}} if classifier else None
+    with _int_missing_flags(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        raw = convert_sklearn(
+            model,
+            initial_types=[("features", FloatTensorType([None, source.n_features]))],
+            options=options,
+            target_opset=_TARGET_OPSET,
+        )
+    src = "probabilities" if classifier else 0
+    return save_onnx_contract(raw, workdir, ctx, src, source.n_classes, notes=["skl2onnx, zipmap off"])
+
+
+def convert_sklearn_native(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+    """scikit-learn itself inside the model runtime (joblib file; predict_proba or predict)."""
+    import joblib
+
+    path = workdir / "model.joblib"
+    joblib.dump(source.model, path)
+    classifier = source.task in ("binary", "multiclass")
+    return Artifact(
+        "native",
+        "sklearn",
+        "python",
+        "model.joblib",
+        path,
+        output_column=1 if source.task == "binary" else None,
+        method="predict_proba" if classifier else "predict",
+    )
+
+
+def convert_sklearn_tl2cgen(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+    """scikit-learn tree ensemble -> Treelite -> C -> shared library (TL2cgen)."""
+    import treelite
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = treelite.sklearn.import_model(source.model)
+    return compile_tl2cgen(model, workdir, ctx)
+
+
+def _max_depth(model: Any) -> int | None:
+    est = _final_estimator(model)
+    depths = []
+    for e in getattr(est, "estimators_", []):
+        for t in (e if hasattr(e, "__len__") else [e]):
+            if hasattr(t, "tree_"):
+                depths.append(int(t.tree_.max_depth))
+    for stage in getattr(est, "_predictors", []):
+        for p in stage:
+            depths.append(int(p.nodes["depth"].max()))
+    return max(depths) if depths else None
+
+
+def convert_sklearn_hummingbird(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+    """scikit-learn estimator or Pipeline -> hummingbird tensorized operators -> ONNX."""
+    return hummingbird_onnx(source.model, workdir, ctx, {}, _max_depth(source.model))
+
+
+register_converter("sklearn-trees", "onnx", convert_sklearn_onnx)
+register_converter("sklearn-trees", "native", convert_sklearn_native)
+register_converter("sklearn-trees", "tl2cgen", convert_sklearn_tl2cgen)
+register_converter("sklearn-trees", "hummingbird", convert_sklearn_hummingbird)
+register_converter("sklearn", "onnx", convert_sklearn_onnx)
+register_converter("sklearn", "native", convert_sklearn_native)
+register_converter("sklearn", "hummingbird", convert_sklearn_hummingbird)

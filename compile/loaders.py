@@ -1,0 +1,268 @@
+"""Loaders: turn a spec's source file into a SourceModel with a reference `predict`, and read held-out rows."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scorestack.errors import SpecError
+
+from .spec import ModelSpec
+
+# Bare tree ensembles: TL2cgen (via Treelite) can compile these; pipelines and linear models it cannot.
+SKLEARN_TREE_ENSEMBLES = (
+    "RandomForestClassifier",
+    "RandomForestRegressor",
+    "ExtraTreesClassifier",
+    "ExtraTreesRegressor",
+    "GradientBoostingClassifier",
+    "GradientBoostingRegressor",
+    "HistGradientBoostingClassifier",
+    "HistGradientBoostingRegressor",
+)
+
+_XGB_OBJECTIVES = {
+    "binary": ("binary:logistic",),
+    "multiclass": ("multi:softprob",),
+    "regression": ("reg:", "count:poisson"),
+    "ranking": ("rank:",),
+}
+
+
+@dataclass
+class SourceModel:
+    """A loaded model, its family (the registry key) and its reference predictions in the tensor contract.
+
+    `model` is an `xgboost.Booster` for the xgboost family and a fitted estimator for sklearn families.
+    """
+
+    name: str
+    task: str
+    family: str  # "xgboost" | "sklearn-trees" | "sklearn"
+    model: Any
+    n_features: int
+    n_classes: int | None = None
+    objective: str | None = None
+    description: str = ""
+    history: list[str] = field(default_factory=list)  # passes applied ("pruned to 120 trees", ...)
+
+    @property
+    def framework(self) -> str:
+        return "xgboost" if self.family == "xgboost" else "sklearn"
+
+    @property
+    def n_trees(self) -> int | None:
+        if self.family == "xgboost":
+            per_round = self.n_classes if self.task == "multiclass" and self.n_classes else 1
+            return int(self.model.num_boosted_rounds()) * per_round
+        est = self.model
+        for attr in ("n_iter_", "n_estimators_"):
+            if hasattr(est, attr):
+                return int(getattr(est, attr))
+        if hasattr(est, "estimators_"):
+            return len(est.estimators_)
+        return None
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        """Reference scores through the library's standard predict path: [n, 1] (or [n, k] for multiclass)."""
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        if self.family == "xgboost":
+            import xgboost as xgb
+
+            dm = xgb.DMatrix(X, feature_names=self.model.feature_names)
+            out = np.asarray(self.model.predict(dm))
+        elif self.task in ("binary", "multiclass"):
+            out = np.asarray(self.model.predict_proba(X))
+            if self.task == "binary":
+                out = out[:, 1]
+        else:
+            out = np.asarray(self.model.predict(X))
+        out = out.astype(np.float64, copy=False)
+        return out.reshape(len(X), -1)
+
+
+@dataclass(frozen=True)
+class Holdout:
+    """Held-out rows for verification and calibration; `groups` are query-group sizes for ranking."""
+
+    X: np.ndarray
+    y: np.ndarray | None
+    groups: np.ndarray | None
+
+    def __len__(self) -> int:
+        return len(self.X)
+
+    def group_ids(self) -> np.ndarray | None:
+        if self.groups is None:
+            return None
+        return np.repeat(np.arange(len(self.groups)), self.groups)
+
+    def subset_groups(self, start: int, stop: int) -> "Holdout":
+        """Whole groups [start, stop) (or a row range when there are no groups)."""
+        if self.groups is None:
+            sl = slice(start, stop)
+            return Holdout(self.X[sl], None if self.y is None else self.y[sl], None)
+        bounds = np.concatenate([[0], np.cumsum(self.groups)])
+        sl = slice(int(bounds[start]), int(bounds[stop]))
+        return Holdout(self.X[sl], None if self.y is None else self.y[sl], self.groups[start:stop])
+
+    def halves(self) -> tuple["Holdout", "Holdout"]:
+        n = len(self.groups) if self.groups is not None else len(self.X)
+        mid = n // 2
+        return self.subset_groups(0, mid), self.subset_groups(mid, n)
+
+
+def load_holdout(path: Path, spec: ModelSpec, source: str, field_name: str = "holdout") -> Holdout:
+    """Read a .npz with X [n, n_features] (and y, and group sizes for ranking)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"spec {source}: field `{field_name}`: cannot read {path} ({exc}); give a .npz file with arrays X and y") from None
+    if "X" not in arrays:
+        raise SpecError(f"spec {source}: field `{field_name}`: {path.name} has no array `X` (has {sorted(arrays)}); save it with np.savez(path, X=..., y=...)")
+    X = np.ascontiguousarray(arrays["X"], dtype=np.float32)
+    if X.ndim != 2 or X.shape[1] != spec.n_features or len(X) == 0:
+        raise SpecError(
+            f"spec {source}: field `{field_name}`: X has shape {X.shape} but the spec lists {spec.n_features} input features; "
+            "X must be [rows, n_features] in the spec's feature order"
+        )
+    y = arrays.get("y")
+    groups = arrays.get("group", arrays.get("groups"))
+    if groups is not None:
+        groups = np.asarray(groups, dtype=np.int64).ravel()
+        if groups.sum() != len(X) or (groups <= 0).any():
+            raise SpecError(f"spec {source}: field `{field_name}`: group sizes sum to {int(groups.sum())} but X has {len(X)} rows")
+    if spec.task == "ranking" and groups is None:
+        raise SpecError(f"spec {source}: field `{field_name}`: a ranking model needs query-group sizes; save them as `group` in {path.name}")
+    return Holdout(X, None if y is None else np.asarray(y).ravel(), groups)
+
+
+def _refuse_untrusted(spec: ModelSpec, source: str) -> None:
+    raise SpecError(
+        f"spec {source}: field `source.trusted`: refusing to load {spec.source.path.name} ({spec.source.format}): "
+        "unpickling runs arbitrary code from the file. If you produced this file yourself, set `trusted: true` "
+        "under `source`; otherwise export the model in a data-only format (XGBoost: save_model('model.json'))."
+    )
+
+
+def _load_xgboost_file(path: Path) -> Any:
+    import xgboost as xgb
+
+    booster = xgb.Booster()
+    booster.load_model(str(path))
+    return booster
+
+
+def _xgb_meta(booster: Any) -> tuple[str, int]:
+    cfg = json.loads(booster.save_config())
+    learner = cfg["learner"]
+    objective = learner["objective"]["name"]
+    num_class = int(learner["learner_model_param"].get("num_class", "0") or 0)
+    return objective, num_class
+
+
+def load_source(spec: ModelSpec, source: str) -> SourceModel:
+    """Load the spec's model file (refusing unpickling unless trusted) and check it matches the spec."""
+    fmt, path = spec.source.format, spec.source.path
+    if not path.exists():
+        raise SpecError(f"spec {source}: field `source.path`: {path} does not exist; give the model file's path, relative to the spec file")
+    if fmt in ("joblib", "pickle") and not spec.source.trusted:
+        _refuse_untrusted(spec, source)
+    try:
+        if fmt in ("xgboost-json", "xgboost-ubj"):
+            obj = _load_xgboost_file(path)
+        elif fmt == "joblib":
+            import joblib
+
+            obj = joblib.load(path)
+        else:
+            with open(path, "rb") as fh:
+                obj = pickle.load(fh)  # noqa: S301 - the spec marks this file trusted
+    except SpecError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any library error means "this file is not a loadable model"
+        raise SpecError(f"spec {source}: field `source.path`: cannot load {path.name} as {fmt}: {type(exc).__name__}: {exc}") from None
+    return _wrap(obj, spec, source)
+
+
+def _wrap(obj: Any, spec: ModelSpec, source: str) -> SourceModel:
+    import xgboost as xgb
+
+    if isinstance(obj, xgb.XGBModel):
+        obj = obj.get_booster()
+    if isinstance(obj, xgb.Booster):
+        return _wrap_xgboost(obj, spec, source)
+    return _wrap_sklearn(obj, spec, source)
+
+
+def _wrap_xgboost(booster: Any, spec: ModelSpec, source: str) -> SourceModel:
+    objective, num_class = _xgb_meta(booster)
+    allowed = _XGB_OBJECTIVES[spec.task]
+    if not any(objective == a or (a.endswith(":") and objective.startswith(a)) for a in allowed):
+        raise SpecError(
+            f"spec {source}: field `task`: the model's objective is {objective!r}, which does not produce a {spec.task} output "
+            f"(expected {' or '.join(allowed)}); set `task` to match the model or retrain it"
+        )
+    n_features = int(booster.num_features())
+    _check_features(n_features, booster.feature_names, spec, source)
+    n_classes = num_class if spec.task == "multiclass" else (2 if spec.task == "binary" else None)
+    rounds = booster.num_boosted_rounds()
+    return SourceModel(
+        name=spec.name,
+        task=spec.task,
+        family="xgboost",
+        model=booster,
+        n_features=n_features,
+        n_classes=n_classes,
+        objective=objective,
+        description=f"XGBoost Booster, objective {objective}, {rounds} boosting rounds",
+    )
+
+
+def _wrap_sklearn(est: Any, spec: ModelSpec, source: str) -> SourceModel:
+    name = type(est).__name__
+    if not hasattr(est, "predict"):
+        raise SpecError(f"spec {source}: field `source.path`: the file holds a {name}, not a fitted model with predict()")
+    n_features = getattr(est, "n_features_in_", None)
+    if n_features is None:
+        raise SpecError(f"spec {source}: field `source.path`: the {name} is not fitted (no n_features_in_); fit it before saving")
+    names = getattr(est, "feature_names_in_", None)
+    _check_features(int(n_features), None if names is None else list(names), spec, source)
+    n_classes = None
+    if spec.task in ("binary", "multiclass"):
+        classes = getattr(est, "classes_", None)
+        if classes is None or not hasattr(est, "predict_proba"):
+            raise SpecError(f"spec {source}: field `task`: a {name} has no predict_proba/classes_, so it cannot serve a {spec.task} task; use regression or a classifier")
+        n_classes = len(classes)
+        if (spec.task == "binary") != (n_classes == 2):
+            raise SpecError(f"spec {source}: field `task`: the {name} has {n_classes} classes; use task `{'binary' if n_classes == 2 else 'multiclass'}`")
+    family = "sklearn-trees" if name in SKLEARN_TREE_ENSEMBLES else "sklearn"
+    return SourceModel(
+        name=spec.name,
+        task=spec.task,
+        family=family,
+        model=est,
+        n_features=int(n_features),
+        n_classes=n_classes,
+        description=f"scikit-learn {name}" + (f" ({' -> '.join(type(s).__name__ for _, s in est.steps)})" if name == "Pipeline" else ""),
+    )
+
+
+def _check_features(n_features: int, names: list[str] | None, spec: ModelSpec, source: str) -> None:
+    if n_features != spec.n_features:
+        raise SpecError(
+            f"spec {source}: field `inputs.features`: the model takes {n_features} features but the spec lists {spec.n_features}; "
+            "list exactly the model's input features, in training column order"
+        )
+    if names is not None and list(names) != list(spec.inputs.features):
+        bad = next(i for i, (a, b) in enumerate(zip(names, spec.inputs.features)) if a != b)
+        raise SpecError(
+            f"spec {source}: field `inputs.features`: position {bad} is {spec.inputs.features[bad]!r} but the model was trained with {names[bad]!r} there; "
+            "list the features in the model's training order"
+        )

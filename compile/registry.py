@@ -1,0 +1,105 @@
+"""Converter registry: "which formats can this model become" is a lookup by model family.
+
+Each source framework's converters live in one module (`convert_xgboost`, `convert_sklearn`,
+`convert_tensorrt`) that ends with a short table of `register_converter(...)` calls.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import runtimes
+
+
+class Skip(Exception):
+    """A converter does not apply here (library not installed, wrong target); the message says why."""
+
+
+@dataclass(frozen=True)
+class ConvertContext:
+    """What a converter may use besides the model: the spec's task and target, and sample rows."""
+
+    task: str
+    n_features: int
+    target: str
+    sample: np.ndarray  # a few held-out rows (hummingbird test input, output-width probing)
+    compile_threads: int = 2
+
+
+@dataclass
+class Artifact:
+    """One converted model on disk, and how to run it (in this process and inside Triton)."""
+
+    format: str  # onnx | native | tl2cgen | hummingbird | tensorrt
+    runtime: str  # scorestack_runtime: onnxruntime | xgboost | sklearn | tl2cgen | tensorrt
+    backend: str  # Triton backend: onnxruntime | python | tensorrt
+    artifact_name: str  # file name inside the version folder
+    path: Path  # where the artifact lies now
+    exact: bool = True  # an exact conversion must match its source within the tolerance
+    output_column: int | None = None
+    method: str | None = None  # sklearn native: predict_proba | predict
+    notes: list[str] = field(default_factory=list)
+
+    def runner(self, threads: int, output_name: str) -> runtimes.Runner:
+        if self.runtime == "onnxruntime":
+            return runtimes.onnx_runner(self.path, threads, output_name)
+        if self.runtime == "xgboost":
+            return runtimes.xgboost_runner(self.path, threads, self.output_column)
+        if self.runtime == "sklearn":
+            return runtimes.sklearn_runner(self.path, threads, self.method or "predict", self.output_column)
+        if self.runtime == "tl2cgen":
+            return runtimes.tl2cgen_runner(self.path, threads, self.output_column)
+        if self.runtime == "tensorrt":
+            from .convert_tensorrt import tensorrt_runner
+
+            return tensorrt_runner(self.path, output_name)
+        raise Skip(f"no in-process runner for runtime {self.runtime!r} on this machine")
+
+
+Converter = Callable[["object", Path, ConvertContext], Artifact]
+
+_REGISTRY: dict[str, dict[str, Converter]] = {}
+_MODULES = ("convert_xgboost", "convert_sklearn", "convert_tensorrt")
+_loaded = False
+
+
+def register_converter(family: str, fmt: str, fn: Converter) -> None:
+    """Declare that models of `family` can become `fmt` through `fn(source, workdir, ctx)`."""
+    _REGISTRY.setdefault(family, {})[fmt] = fn
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        for mod in _MODULES:
+            importlib.import_module(f"{__package__}.{mod}")
+        _loaded = True
+
+
+def formats_for(family: str) -> list[str]:
+    """Every format a model of this family can become, in registration order."""
+    _load()
+    return list(_REGISTRY.get(family, {}))
+
+
+def converter_for(family: str, fmt: str) -> Converter:
+    _load()
+    try:
+        return _REGISTRY[family][fmt]
+    except KeyError:
+        raise Skip(f"no {fmt} converter for {family} models") from None
+
+
+def output_column(task: str, raw: np.ndarray) -> int | None:
+    """Which column of a 2-D raw output is the contract's output: binary [n, 2] -> 1, else none."""
+    width = raw.reshape(len(raw), -1).shape[1]
+    if task == "binary" and width == 2:
+        return 1
+    if width != 1 and task != "multiclass":
+        raise ValueError(f"unexpected output width {width} for a {task} model")
+    return None

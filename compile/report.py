@@ -1,0 +1,166 @@
+"""The compile report: what was tried, what was verified, what was measured and chosen (report.json, report.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CandidateReport(_Model):
+    format: str
+    status: str  # selected | verified | rejected | skipped | failed
+    verified: bool = False
+    reason: str | None = None
+    runtime: str | None = None
+    backend: str | None = None
+    artifact: str | None = None
+    artifact_bytes: int | None = None
+    convert_s: float | None = None
+    max_abs_diff: float | None = None
+    label_agreement: float | None = None
+    rank_agreement: float | None = None
+    rows_batch1: int | None = None
+    rows_large: int | None = None
+    threads: int | None = None  # the thread count with the lowest weighted latency
+    latency_us: dict[str, float] = Field(default_factory=dict)  # batch size -> median µs per call, at `threads`
+    latency_us_by_threads: dict[str, dict[str, float]] = Field(default_factory=dict)
+    weighted_latency_us: float | None = None
+    notes: list[str] = Field(default_factory=list)
+
+
+class PassReport(_Model):
+    name: str
+    accepted: bool
+    reason: str
+    metric: str = ""
+    source_quality: float | None = None
+    result_quality: float | None = None
+    quality_drop: float | None = None
+    quality_budget: float | None = None
+    trees_before: int | None = None
+    trees_after: int | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class TritonSettings(_Model):
+    max_batch_size: int
+    max_queue_delay_us: int
+    default_timeout_us: int
+    max_queue_size: int
+    instance_count: int
+    instance_kind: str
+    threads: int
+    rules: list[str]
+
+
+class SelectedReport(_Model):
+    format: str
+    runtime: str
+    backend: str
+    artifact: str
+    threads: int
+    weighted_latency_us: float
+    latency_us: dict[str, float]
+    output_column: int | None = None
+    method: str | None = None
+
+
+class SourceReport(_Model):
+    path: str
+    format: str
+    description: str
+    family: str
+    task: str
+    n_features: int
+    n_trees: int | None = None
+    final_model: str  # the model the candidates were converted from (after passes)
+
+
+class CompileReport(_Model):
+    name: str
+    spec: str
+    content_hash: str
+    compiler_version: str
+    skipped: bool = False  # true when an unchanged spec + source was not recompiled
+    created_at: str
+    duration_s: float
+    machine: dict[str, Any]
+    source: SourceReport
+    holdout_rows: int
+    tolerance: float
+    batch_sizes: list[int]
+    batch_weights: dict[str, float]
+    latency_budget_ms: float
+    passes: list[PassReport]
+    candidates: list[CandidateReport]
+    selected: SelectedReport
+    triton: TritonSettings
+    output: dict[str, Any]
+
+
+def render_markdown(r: CompileReport) -> str:
+    """A human-readable report.md."""
+    lines = [
+        f"# {r.name}: compile report",
+        "",
+        f"- source: `{r.source.path}` ({r.source.format}) — {r.source.description}",
+        f"- task: {r.source.task}, {r.source.n_features} features; served model: {r.source.final_model}",
+        f"- selected: **{r.selected.format}** (runtime `{r.selected.runtime}`, backend `{r.selected.backend}`, "
+        f"artifact `1/{r.selected.artifact}`, {r.selected.threads} thread(s)); weighted latency {r.selected.weighted_latency_us:.1f} µs",
+        f"- verification: {r.holdout_rows} held-out rows at one large batch and a sample at batch 1; tolerance |Δ| ≤ {r.tolerance:g}",
+        f"- machine: {r.machine.get('cpus')} CPUs, {r.machine.get('platform')}",
+        f"- content hash: `{r.content_hash[:16]}…`; compiled in {r.duration_s:.1f} s",
+        "",
+        "## Passes",
+        "",
+    ]
+    if not r.passes:
+        lines.append("No lossy pass requested.")
+    else:
+        lines += ["| pass | accepted | metric | source | result | drop | budget | trees | reason |", "|---|---|---|---|---|---|---|---|---|"]
+        for p in r.passes:
+            f = lambda v: "–" if v is None else f"{v:.4f}"  # noqa: E731
+            lines.append(
+                f"| {p.name} | {'yes' if p.accepted else 'no'} | {p.metric or '–'} | {f(p.source_quality)} | {f(p.result_quality)} | "
+                f"{'–' if p.quality_drop is None else f'{p.quality_drop:.4g}'} | {'–' if p.quality_budget is None else p.quality_budget} | "
+                f"{p.trees_before or '–'} → {p.trees_after or '–'} | {p.reason} |"
+            )
+        for p in r.passes:
+            if p.details:
+                lines.append("")
+                lines.append(f"{p.name} details: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in p.details.items()))
+    bs = [str(b) for b in r.batch_sizes]
+    lines += [
+        "",
+        "## Candidates",
+        "",
+        "Median µs per call, measured in one process in interleaved rounds; weights " + ", ".join(f"batch {k}: {v:.2f}" for k, v in r.batch_weights.items()) + ".",
+        "",
+        "| format | status | max abs diff | threads | " + " | ".join(f"batch {b} µs" for b in bs) + " | weighted µs | reason |",
+        "|---|---|---|---|" + "---|" * len(bs) + "---|---|",
+    ]
+    for c in r.candidates:
+        diff = "–" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
+        lat = " | ".join(f"{c.latency_us[b]:.1f}" if b in c.latency_us else "–" for b in bs)
+        w = "–" if c.weighted_latency_us is None else f"{c.weighted_latency_us:.1f}"
+        lines.append(f"| {c.format} | {c.status} | {diff} | {c.threads or '–'} | {lat} | {w} | {c.reason or ''} |")
+    t = r.triton
+    lines += [
+        "",
+        "## Triton settings",
+        "",
+        f"max_batch_size {t.max_batch_size}, max_queue_delay_microseconds {t.max_queue_delay_us}, "
+        f"default_timeout_microseconds {t.default_timeout_us} (REJECT), max_queue_size {t.max_queue_size}, "
+        f"instance_group {t.instance_count} × {t.instance_kind}, {t.threads} thread(s) per instance.",
+        "",
+        "How they were derived:",
+        "",
+        *[f"- {rule}" for rule in t.rules],
+        "",
+    ]
+    return "\n".join(lines)

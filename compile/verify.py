@@ -1,0 +1,93 @@
+"""Verification: a candidate must reproduce its source on held-out rows, one row at a time and in one big batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .loaders import Holdout
+from .runtimes import Runner
+
+
+@dataclass(frozen=True)
+class Verification:
+    verified: bool
+    max_abs_diff: float | None
+    label_agreement: float | None  # classifiers: share of rows with the same decision
+    rank_agreement: float | None  # rankers: share of ordered pairs within groups kept in order
+    rows_batch1: int
+    rows_large: int
+    reason: str | None = None
+
+
+def sample_indices(n: int, k: int) -> np.ndarray:
+    """Evenly spread row indices (deterministic, so reruns check the same rows)."""
+    return np.unique(np.linspace(0, n - 1, min(k, n)).astype(np.int64))
+
+
+def label_agreement(task: str, ref: np.ndarray, out: np.ndarray, tol: float) -> float | None:
+    """Share of rows where the decision agrees; rows whose reference sits within `tol` of a tie are not counted."""
+    if task == "binary":
+        clear = np.abs(ref[:, 0] - 0.5) > tol
+        if not clear.any():
+            return 1.0
+        return float(np.mean((ref[clear, 0] >= 0.5) == (out[clear, 0] >= 0.5)))
+    if task == "multiclass":
+        top2 = np.sort(ref, axis=1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > tol
+        if not clear.any():
+            return 1.0
+        return float(np.mean(ref[clear].argmax(1) == out[clear].argmax(1)))
+    return None
+
+
+def rank_agreement(ref: np.ndarray, out: np.ndarray, groups: np.ndarray, tol: float) -> float:
+    """Share of item pairs within each group whose order the candidate keeps (pairs closer than 2*tol are ties)."""
+    kept = total = 0
+    start = 0
+    r, o = ref[:, 0], out[:, 0]
+    for size in groups:
+        rs, os_ = r[start : start + size], o[start : start + size]
+        start += size
+        dr = rs[:, None] - rs[None, :]
+        do = os_[:, None] - os_[None, :]
+        ordered = dr > 2 * tol
+        total += int(ordered.sum())
+        kept += int((ordered & (do > 0)).sum())
+    return 1.0 if total == 0 else kept / total
+
+
+def verify(runner: Runner, reference: np.ndarray, holdout: Holdout, task: str, tolerance: float, sample_rows: int) -> Verification:
+    """Run the candidate at batch 1 on a sample and at one large batch on every row; compare with `reference`."""
+    X = holdout.X
+    idx = sample_indices(len(X), sample_rows)
+    try:
+        one = np.concatenate([np.asarray(runner(X[i : i + 1])).reshape(1, -1) for i in idx])
+        big = np.asarray(runner(X))
+    except Exception as exc:  # noqa: BLE001 - a crash at run time is a verification failure, with its reason
+        return Verification(False, None, None, None, 0, 0, f"failed to run: {type(exc).__name__}: {exc}")
+    ref = reference.reshape(len(X), -1)
+    for label, out, want in (("batch 1", one, ref[idx]), (f"batch {len(X)}", big, ref)):
+        if out.shape != want.shape:
+            return Verification(False, None, None, None, len(idx), len(X), f"{label}: output shape {out.shape}, expected {want.shape}")
+        if not np.isfinite(out).all():
+            return Verification(False, None, None, None, len(idx), len(X), f"{label}: output holds NaN or inf")
+    big = big.astype(np.float64)
+    one = one.astype(np.float64)
+    diff = float(max(np.abs(one - ref[idx]).max(), np.abs(big - ref).max()))
+    labels = label_agreement(task, ref, big, tolerance)
+    labels_one = label_agreement(task, ref[idx], one, tolerance)
+    if labels is not None and labels_one is not None:
+        labels = min(labels, labels_one)
+    ranks = None
+    if task == "ranking" and holdout.groups is not None:
+        ranks = rank_agreement(ref, big, holdout.groups, tolerance)
+    reasons = []
+    if diff > tolerance:
+        reasons.append(f"max |Δ| {diff:.3g} > tolerance {tolerance:g}")
+    if labels is not None and labels < 1.0:
+        reasons.append(f"label agreement {labels:.2%} < 100%")
+    if ranks is not None and ranks < 1.0:
+        reasons.append(f"ranking-order agreement {ranks:.2%} < 100%")
+    return Verification(not reasons, diff, labels, ranks, len(idx), len(X), "; ".join(reasons) or None)
