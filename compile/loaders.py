@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,8 +188,18 @@ def load_source(spec: ModelSpec, source: str) -> SourceModel:
     except SpecError:
         raise
     except Exception as exc:  # noqa: BLE001 - any library error means "this file is not a loadable model"
-        raise SpecError(f"spec {source}: field `source.path`: cannot load {path.name} as {fmt}: {type(exc).__name__}: {exc}") from None
+        raise SpecError(
+            f"spec {source}: field `source.path`: cannot load {path.name} as {fmt}: {type(exc).__name__}: {_library_message(exc)}; "
+            "check that the file is complete and that `source.format` matches it"
+        ) from None
     return _wrap(obj, spec, source)
+
+
+def _library_message(exc: Exception) -> str:
+    """XGBoost's errors carry a timestamp, a source path and a native stack trace: keep the sentence."""
+    msg = str(exc).split("Stack trace:")[0].strip()
+    msg = re.sub(r"^\[[0-9:]+\] \S+: ", "", msg)
+    return " ".join(msg.split())[:300]
 
 
 def _wrap(obj: Any, spec: ModelSpec, source: str) -> SourceModel:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, ValidationInfo, field_validator
 
 from scorestack import schema
 from scorestack.errors import SpecError
@@ -51,13 +51,13 @@ class ServingSpec(_Strict):
     batch_weights: list[PositiveFloat] | None = None
     latency_budget_ms: PositiveFloat = 10.0
 
-    @model_validator(mode="after")
-    def _weights_match(self) -> "ServingSpec":
-        if self.batch_weights is not None and len(self.batch_weights) != len(self.batch_sizes):
-            raise ValueError(
-                f"batch_weights has {len(self.batch_weights)} entries but batch_sizes has {len(self.batch_sizes)}; give one weight per batch size"
-            )
-        return self
+    @field_validator("batch_weights")
+    @classmethod
+    def _weights_match(cls, v: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        sizes = info.data.get("batch_sizes")
+        if v is not None and sizes is not None and len(v) != len(sizes):
+            raise ValueError(f"has {len(v)} entries but batch_sizes has {len(sizes)}")
+        return v
 
     def weights(self) -> dict[int, float]:
         """Normalized weight per batch size (equal weights by default)."""
@@ -117,12 +117,13 @@ class ModelSpec(_Strict):
     def _threads_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, int) else v
 
-    @model_validator(mode="after")
-    def _outputs_follow_contract(self) -> "ModelSpec":
-        expected = schema.OUTPUT_TENSORS[self.task]
-        if self.outputs is not None and self.outputs != [expected]:
-            raise ValueError(f"a {self.task} model exposes exactly one output named {expected!r}; got {self.outputs}")
-        return self
+    @field_validator("outputs")
+    @classmethod
+    def _outputs_follow_contract(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        task = info.data.get("task")
+        if v is not None and task is not None and v != [schema.OUTPUT_TENSORS[task]]:
+            raise ValueError(f"a {task} model exposes exactly one output named {schema.OUTPUT_TENSORS[task]!r}")
+        return v
 
     @property
     def output_name(self) -> str:
@@ -154,10 +155,14 @@ _FIXES = {
     "target": "use cpu or gpu",
 }
 
+def _num(v: Any) -> str:
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
 _MESSAGES = {
-    "greater_than": lambda e: f"must be > {e['ctx']['gt']}",
-    "greater_than_equal": lambda e: f"must be >= {e['ctx']['ge']}",
-    "less_than_equal": lambda e: f"must be <= {e['ctx']['le']}",
+    "greater_than": lambda e: f"must be > {_num(e['ctx']['gt'])}",
+    "greater_than_equal": lambda e: f"must be >= {_num(e['ctx']['ge'])}",
+    "less_than_equal": lambda e: f"must be <= {_num(e['ctx']['le'])}",
     "missing": lambda e: "is required",
     "extra_forbidden": lambda e: "is not a known field",
 }

@@ -1,0 +1,76 @@
+"""`scorestack compile` and `scorestack demo train`; heavy modules are imported inside the commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def compile_command(
+    specs: list[Path] = typer.Argument(..., help="Model spec YAML files to compile.", show_default=False),
+    repository: Optional[Path] = typer.Option(None, "--repository", "-r", help="Triton model repository to write (default: ./model_repository)."),
+    jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Specs compiled at once, each in its own process (timings share the CPUs)."),
+    force: bool = typer.Option(False, "--force", "-f", help="Recompile even when spec, source and held-out rows are unchanged."),
+) -> None:
+    """Compile trained models into verified, measured Triton model folders."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from scorestack.paths import default_repository
+
+    from .jobs import compile_many
+
+    console = Console()
+    repo = repository or default_repository()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as progress:
+        overall = progress.add_task(f"compiling into {repo}", total=len(specs))
+
+        def on_update(spec: str, result) -> None:  # noqa: ANN001
+            if result is None:
+                progress.console.log(f"[cyan]start[/] {spec}")
+                return
+            progress.advance(overall)
+            colour = {"compiled": "green", "skipped": "blue", "failed": "red"}[result.status]
+            progress.console.log(f"[{colour}]{result.status}[/] {result.name} ({result.duration_s:.1f} s)")
+
+        results = compile_many(specs, repo, jobs=jobs, force=force, on_update=on_update)
+
+    table = Table(title="compile summary")
+    for col in ("model", "status", "selected", "µs per call by batch", "time s", "error"):
+        table.add_column(col)
+    for r in results:
+        lat = ", ".join(f"{b}: {v:.1f}" for b, v in r.latency_us.items())
+        colour = {"compiled": "green", "skipped": "blue", "failed": "red"}[r.status]
+        table.add_row(r.name, f"[{colour}]{r.status}[/]", r.selected or "–", lat or "–", f"{r.duration_s:.1f}", (r.error or "").splitlines()[0][:200] if r.error else "")
+    console.print(table)
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        console.print(f"[red]{r.name}[/] ({r.spec}):\n{r.error}")
+    if failed:
+        raise typer.Exit(code=1)
+
+
+def train_command(
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for models, held-out rows and specs (default: <workspace>/models)."),
+) -> None:
+    """Train the demo models (fraud XGBoost, fraud scikit-learn, XGBRanker) and write their specs."""
+    from rich.console import Console
+
+    from scorestack.paths import workspace
+
+    from .demo import train_demo_models
+
+    out_dir = out or workspace() / "models"
+    console = Console()
+    with console.status(f"training demo models into {out_dir}"):
+        specs = train_demo_models(out_dir)
+    for s in specs:
+        console.print(f"spec: {s}")
+
+
+def register(app: typer.Typer, demo_app: typer.Typer) -> None:
+    app.command("compile")(compile_command)
+    demo_app.command("train")(train_command)
