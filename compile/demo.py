@@ -10,7 +10,8 @@ import yaml
 from scorestack import demo_data, schema
 
 DEMO_MODELS = ("fraud_xgb", "fraud_sklearn", "ranking_xgb")
-_SERVING = {"batch_sizes": [1, 64, 1024], "batch_weights": [0.6, 0.3, 0.1], "latency_budget_ms": 10}
+# Online fraud scoring: mostly single requests, small dynamic batches under load.
+_SERVING = {"batch_sizes": [1, 8, 64], "batch_weights": [0.7, 0.2, 0.1], "latency_budget_ms": 10}
 
 
 def _write_spec(path: Path, spec: dict) -> None:
