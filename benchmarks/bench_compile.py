@@ -1,0 +1,126 @@
+"""The compiler's pick against native XGBoost for the demo fraud model, side by side in one process.
+
+    python benchmarks/bench_compile.py [--models DIR] [--rounds 7]
+
+Trains the demo models if absent (scorestack.compile.train_demo_models), compiles `fraud_xgb` into a
+temporary repository, then times, interleaved in one process at batch 1, 64 and 1024:
+  - the selected artifact, through the same runner the compiler verified;
+  - native XGBoost the way the model runtime runs it (Booster.inplace_predict, nthread=1);
+  - native XGBoost the way a user writes it (XGBClassifier.predict_proba, default threads).
+Writes benchmarks/results/compile_fraud_xgb.json and .md and prints the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from scorestack.compile import compile_model, train_demo_models
+from scorestack.compile.measure import TimingPlan, measure
+from scorestack.compile.registry import Artifact
+from scorestack.paths import workspace
+
+BATCHES = (1, 64, 1024)
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=workspace() / "models")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+
+    import xgboost as xgb
+
+    specs = {p.stem: p for p in train_demo_models(args.models)}
+    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
+        report = compile_model(specs["fraud_xgb"], Path(tmp) / "repo", force=True)
+        sel = report.selected
+        art = Artifact(
+            sel.format, sel.runtime, sel.backend, sel.artifact, Path(tmp) / "repo" / "fraud_xgb" / "1" / sel.artifact, output_column=sel.output_column, method=sel.method
+        )
+        selected = art.runner(sel.threads, "probability")
+
+        model_file = args.models / "fraud_xgb.json"
+        booster = xgb.Booster(model_file=str(model_file))
+        booster.set_param({"nthread": 1})
+        clf = xgb.XGBClassifier()
+        clf.load_model(str(model_file))
+
+        def native_inplace(x: np.ndarray) -> np.ndarray:
+            return booster.inplace_predict(x).reshape(-1, 1)
+
+        def native_predict_proba(x: np.ndarray) -> np.ndarray:
+            return clf.predict_proba(x)[:, 1:2]
+
+        X = np.load(args.models / "fraud_holdout.npz")["X"]
+        ref = xgb.Booster(model_file=str(model_file)).predict(xgb.DMatrix(X))
+        diffs = {
+            f"selected ({sel.format})": float(np.abs(selected(X)[:, 0] - ref).max()),
+            "native inplace_predict": float(np.abs(native_inplace(X)[:, 0] - ref).max()),
+            "native predict_proba": float(np.abs(native_predict_proba(X)[:, 0] - ref).max()),
+        }
+        runners = {
+            f"selected ({sel.format})": selected,
+            "native inplace_predict": native_inplace,
+            "native predict_proba": native_predict_proba,
+        }
+        table = measure(runners, X, TimingPlan(batch_sizes=BATCHES, rounds=args.rounds, cell_budget_s=0.15, max_calls=2000, min_calls=5))
+
+    sel_key = f"selected ({sel.format})"
+    ratios = {str(b): table["native inplace_predict"][b] / table[sel_key][b] for b in BATCHES}
+    ratios_user = {str(b): table["native predict_proba"][b] / table[sel_key][b] for b in BATCHES}
+    result = {
+        "benchmark": "compile_fraud_xgb",
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "model": report.source.description,
+        "holdout_rows": int(len(X)),
+        "selected": {"format": sel.format, "runtime": sel.runtime, "threads": sel.threads},
+        "compile_candidates": {c.format: {"status": c.status, "latency_us": c.latency_us, "reason": c.reason} for c in report.candidates},
+        "method": f"one process, {args.rounds} interleaved rounds (shuffled order), median µs per call",
+        "latency_us": {k: {str(b): round(v, 2) for b, v in per.items()} for k, per in table.items()},
+        "rows_per_s": {k: {str(b): round(b / v * 1e6) for b, v in per.items()} for k, per in table.items()},
+        "max_abs_diff_vs_source": diffs,
+        "speedup_selected_vs_native_inplace": {k: round(v, 2) for k, v in ratios.items()},
+        "speedup_selected_vs_native_predict_proba": {k: round(v, 2) for k, v in ratios_user.items()},
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "compile_fraud_xgb.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        "# Compiled fraud model vs native XGBoost",
+        "",
+        f"{report.source.description}; {len(X)} held-out rows; {result['method']}; "
+        f"{os.cpu_count()} CPUs ({platform.platform()}). Generated by `benchmarks/bench_compile.py`.",
+        "",
+        "| path | " + " | ".join(f"batch {b} µs" for b in BATCHES) + " | max abs diff |",
+        "|---|" + "---|" * len(BATCHES) + "---|",
+    ]
+    for k, per in table.items():
+        lines.append(f"| {k} | " + " | ".join(f"{per[b]:.1f}" for b in BATCHES) + f" | {diffs[k]:.1e} |")
+    lines += [
+        "",
+        "| speedup of the selected artifact | " + " | ".join(f"batch {b}" for b in BATCHES) + " |",
+        "|---|" + "---|" * len(BATCHES),
+        "| vs native inplace_predict (1 thread) | " + " | ".join(f"{ratios[str(b)]:.2f}x" for b in BATCHES) + " |",
+        "| vs XGBClassifier.predict_proba (default threads) | " + " | ".join(f"{ratios_user[str(b)]:.2f}x" for b in BATCHES) + " |",
+        "",
+        f"The compiler selected **{sel.format}** for the spec's batch mix (batch sizes {report.batch_sizes}, weights "
+        f"{report.batch_weights}); the table above also shows batch 1024, outside that mix.",
+        "",
+    ]
+    (RESULTS / "compile_fraud_xgb.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    for b in BATCHES:
+        print(f"batch {b}: selected {sel.format} is {ratios[str(b)]:.2f}x native inplace_predict, {ratios_user[str(b)]:.2f}x predict_proba")
+
+
+if __name__ == "__main__":
+    main()
