@@ -108,6 +108,15 @@ class _Outcome:
 _NOT_READ = object()
 
 
+def _discard_result(tasks: set):
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a late failure of an abandoned read is expected, not news
+
+    return done
+
+
 class _Lane:
     """One backend behind a coalescing window, a budget and a circuit breaker."""
 
@@ -178,14 +187,23 @@ class _Lane:
         self.metrics.coalesced.labels(name).observe(requests)
         start = time.perf_counter()
         reason: str | None = None
-        try:
-            rows = await asyncio.wait_for(self.backend.read(wanted), max(deadline - start, 1e-4))
-        except TimeoutError:
+        # Not asyncio.wait_for: it waits for the cancelled read to finish, and a read blocked on a
+        # paused Redis inside Feast may not finish until Redis answers. The budget ends the wait here;
+        # the cancelled read is left to unwind in the background.
+        task = asyncio.get_running_loop().create_task(self.backend.read(wanted))
+        done, _ = await asyncio.wait({task}, timeout=max(deadline - start, 1e-4))
+        if not done:
+            task.cancel()
+            self._tasks.add(task)
+            task.add_done_callback(_discard_result(self._tasks))
             reason, outcome = "timeout", "timeout"
-        except Exception as exc:  # noqa: BLE001 - any store failure degrades, never propagates
+        elif task.cancelled():
+            reason, outcome = "closed", "error"
+        elif task.exception() is not None:
+            exc = task.exception()
             reason, outcome = f"error: {type(exc).__name__}: {exc}", "error"
         else:
-            outcome = "ok"
+            rows, outcome = task.result(), "ok"
         elapsed = time.perf_counter() - start
         self.metrics.store_read_seconds.labels(name).observe(elapsed)
         self.metrics.store_reads.labels(name, outcome).inc()
@@ -244,8 +262,6 @@ class FeatureFetcher:
         self.store = store
         self.timeout_s = float(timeout_s)
         self.max_rows = max_rows
-        self.metrics = FetchMetrics(registry)
-        self.registry = self.metrics.registry
         self._cache: TTLCache[Row] | None = TTLCache(cache_max_entries) if cache else None
         self._online_type = str(getattr(store.config.online_store, "type", "sqlite"))
         views, services = _load_plans(store)
@@ -262,6 +278,8 @@ class FeatureFetcher:
             )
             for name, projections in services.items()
         }
+        self.metrics = FetchMetrics(registry, self._plans, self.views, set(chosen.values()))
+        self.registry = self.metrics.registry
         self._lanes: dict[str, _Lane] = {}
         for backend_name in sorted(set(chosen.values())):
             used = {v.name: v for plan in self._plans.values() if plan.backend == backend_name for v in plan.views}

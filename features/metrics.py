@@ -2,17 +2,47 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import values as _values
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
-class FetchMetrics:
-    """The metric families; label values are services, feature views and backend names."""
+@contextmanager
+def _in_process_values() -> Iterator[None]:
+    """Create metric values in process memory even when Feast switched prometheus_client to multiprocess mode.
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    `import feast` sets PROMETHEUS_MULTIPROCESS_DIR (feast/metrics.py, for its Gunicorn server), which
+    makes every metric value a file shared by all registries of the process with the same name and
+    labels: two fetchers would count into each other. Values are created when a labelled child is;
+    every child is created here, up front, with the in-memory value class.
+    """
+    saved = _values.ValueClass
+    _values.ValueClass = _values.MutexValue
+    try:
+        yield
+    finally:
+        _values.ValueClass = saved
+
+
+class FetchMetrics:
+    """The metric families; label values are services, feature views and backend names (all pre-created)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        services: Iterable[str] = (),
+        views: Iterable[str] = (),
+        backends: Iterable[str] = (),
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+        with _in_process_values():
+            self._create(self.registry, tuple(services), tuple(views), tuple(backends))
+
+    def _create(self, r: CollectorRegistry, services: tuple[str, ...], views: tuple[str, ...], backends: tuple[str, ...]) -> None:
         self.fetch_seconds = Histogram(
             "scorestack_feature_fetch_seconds", "Wall time of one fetch call.", ["service"], registry=r, buckets=_LATENCY_BUCKETS
         )
@@ -49,3 +79,19 @@ class FetchMetrics:
         self.breaker_state = Gauge(
             "scorestack_feature_breaker_state", "Circuit breaker per backend: 0 closed, 1 open, 2 half-open.", ["backend"], registry=r
         )
+        for service in services:
+            self.fetch_seconds.labels(service)
+            for outcome in ("ok", "degraded"):
+                self.fetches.labels(service, outcome)
+        for backend in backends:
+            self.store_read_seconds.labels(backend)
+            self.coalesced.labels(backend)
+            self.breaker_state.labels(backend)
+            for outcome in ("ok", "timeout", "error", "rejected"):
+                self.store_reads.labels(backend, outcome)
+        for view in views:
+            self.cache_hits.labels(view)
+            self.cache_misses.labels(view)
+            self.stale.labels(view)
+            for reason in ("missing", "degraded"):
+                self.defaults.labels(view, reason)

@@ -141,7 +141,7 @@ async def test_slow_views_are_cached_fast_counters_are_not(redis_repo):
         hits = fetcher.registry.get_sample_value
         assert hits("scorestack_feature_cache_hits_total", {"feature_view": "item_stats"}) == len(items)
         assert hits("scorestack_feature_cache_hits_total", {"feature_view": "user_fraud_profile"}) == 1
-        assert hits("scorestack_feature_cache_hits_total", {"feature_view": "user_txn_velocity"}) is None
+        assert hits("scorestack_feature_cache_hits_total", {"feature_view": "user_txn_velocity"}) == 0
 
 
 @pytest.mark.parametrize("backend", ["direct", "feast_async"])
@@ -231,3 +231,18 @@ async def test_fetch_before_start_says_how(sqlite_repo):
     fetcher = FeatureFetcher.from_repo(sqlite_repo)
     with pytest.raises(FeatureError, match="async with"):
         await fetcher.fetch("fraud", {"user_id": 1})
+
+
+async def test_fetchers_count_apart_although_feast_sets_multiprocess_mode(sqlite_repo):
+    import os
+
+    import feast  # noqa: F401 - sets PROMETHEUS_MULTIPROCESS_DIR for the whole process
+
+    assert "PROMETHEUS_MULTIPROCESS_DIR" in os.environ
+    a = FeatureFetcher.from_repo(sqlite_repo, timeout_s=2.0)
+    b = FeatureFetcher.from_repo(sqlite_repo, timeout_s=2.0)
+    async with a:
+        await a.fetch("fraud", {"user_id": 1})
+    sample = {"service": "fraud", "outcome": "ok"}
+    assert a.registry.get_sample_value("scorestack_feature_fetches_total", sample) == 1
+    assert b.registry.get_sample_value("scorestack_feature_fetches_total", sample) == 0
