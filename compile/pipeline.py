@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -12,8 +11,6 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-
-import numpy as np
 
 from scorestack.errors import VerificationError
 from scorestack.paths import default_repository
@@ -24,7 +21,6 @@ from .report import CandidateReport, CompileReport, PassReport, SelectedReport, 
 from .spec import ModelSpec, load_spec
 
 COMPILER_VERSION = "scorestack-compile 1"
-log = __import__("logging").getLogger(__name__)
 
 
 def content_hash(spec_path: Path, spec: ModelSpec) -> str:
@@ -269,9 +265,3 @@ def compile_model(spec_path: str | Path, repository: str | Path | None = None, f
         except OSError:
             pass
 
-
-def report_json(report: CompileReport) -> str:
-    return json.dumps(json.loads(report.model_dump_json()), indent=2)
-
-
-__all__ = ["compile_model", "content_hash", "COMPILER_VERSION", "np"]

@@ -306,3 +306,16 @@ def test_distillation_reports_quality_and_respects_budget(tmp_path: Path, demo_d
     assert p.accepted == (p.quality_drop <= 0.0)
     if not p.accepted:
         assert "exceeds the budget" in p.reason and "distilled" not in report.source.final_model
+
+
+def test_missing_hummingbird_is_reported_as_skipped(tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from scorestack.compile import _tree_commons
+
+    monkeypatch.setattr(_tree_commons, "hummingbird_available", lambda: False)
+    spec = write_spec(tmp_path, demo_dir / "fraud_xgb.yaml", "no_hb", formats=["hummingbird", "native", "tensorrt"])
+    compile_model(spec, tmp_path / "repo")
+    data = json.loads((tmp_path / "repo" / "no_hb" / "report.json").read_text())
+    by = {c["format"]: c for c in data["candidates"]}
+    assert by["hummingbird"]["status"] == "skipped" and "hummingbird not installed" in by["hummingbird"]["reason"]
+    assert by["tensorrt"]["status"] == "skipped" and "target is cpu" in by["tensorrt"]["reason"]
+    assert data["selected"]["format"] == "native"
