@@ -111,7 +111,8 @@ def train_demo_models(
                 "task": "ranking",
                 "inputs": {"features": list(schema.RANKING_FEATURES), "dtype": "float32"},
                 "outputs": [schema.OUTPUT_TENSORS["ranking"]],
-                "serving": {"batch_sizes": [1, 30, 100], "batch_weights": [0.2, 0.5, 0.3], "latency_budget_ms": 10},
+                # One ranking request scores a user's candidates (the demo sends 200) in one batch.
+                "serving": {"batch_sizes": [1, 50, 200], "batch_weights": [0.1, 0.3, 0.6], "latency_budget_ms": 10},
                 "verification": {"tolerance": 1e-5},
                 "threads": [1],
                 "holdout": "ranking_holdout.npz",
