@@ -1,0 +1,29 @@
+"""The Feast feature repository (fraud, ranking), its demo data and the async feature-fetch layer.
+
+Heavy modules (Feast, redis) load on first use: `from scorestack.features import FeatureFetcher`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "FeatureFetcher": "scorestack.features.fetch",
+    "FeatureResult": "scorestack.features.fetch",
+    "FeatureStatus": "scorestack.features.fetch",
+    "FetchTimings": "scorestack.features.fetch",
+    "init_repo": "scorestack.features.store",
+    "apply": "scorestack.features.store",
+    "materialize": "scorestack.features.store",
+    "feature_store": "scorestack.features.store",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'scorestack.features' has no attribute {name!r}")

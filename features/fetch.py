@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -451,30 +450,33 @@ class FeatureFetcher:
             rows = found[spec.name]
             ids = columns[spec.join_key]
             unique = list(dict.fromkeys(ids))
-            u_values = np.empty((len(unique), width), dtype=np.float32)
-            u_status = np.empty((len(unique), width), dtype=np.int8)
             defaults = spec.defaults[cols]
-            n_missing = n_degraded = n_stale = 0
+            u_values = np.tile(defaults, (len(unique), 1))
+            u_status = np.full((len(unique), width), FeatureStatus.MISSING, dtype=np.int8)
+            read_k, read_rows, not_read = [], [], []
             for k, entity in enumerate(unique):
                 row = rows.get(entity, _NOT_READ)
                 if row is _NOT_READ:
-                    u_values[k] = defaults
-                    u_status[k] = FeatureStatus.DEFAULTED
-                    n_degraded += width
-                elif row is None:
-                    u_values[k] = defaults
-                    u_status[k] = FeatureStatus.MISSING
-                    n_missing += width
-                else:
-                    have = row.found[cols]
-                    u_values[k] = np.where(have, row.values[cols], defaults)
-                    stale = spec.ttl_s > 0 and not math.isnan(row.event_ts) and now - row.event_ts > spec.ttl_s
-                    ok = FeatureStatus.STALE if stale else FeatureStatus.PRESENT
-                    u_status[k] = np.where(have, ok, FeatureStatus.MISSING)
-                    n_have = int(have.sum())
-                    n_missing += width - n_have
-                    if stale:
-                        n_stale += n_have
+                    not_read.append(k)
+                elif row is not None:
+                    read_k.append(k)
+                    read_rows.append(row)
+            n_stale = 0
+            if not_read:
+                u_status[not_read] = FeatureStatus.DEFAULTED
+            if read_rows:
+                # One vectorized pass over every row read, not numpy calls per row.
+                have = np.stack([r.found for r in read_rows])[:, cols]
+                stored = np.stack([r.values for r in read_rows])[:, cols]
+                event_ts = np.array([r.event_ts for r in read_rows])
+                stale = (now - event_ts > spec.ttl_s) if spec.ttl_s > 0 else np.zeros(len(read_rows), dtype=bool)
+                u_values[read_k] = np.where(have, stored, defaults)
+                u_status[read_k] = np.where(
+                    have, np.where(stale[:, None], FeatureStatus.STALE, FeatureStatus.PRESENT), FeatureStatus.MISSING
+                )
+                n_stale = int(have[stale].sum())
+            n_degraded = len(not_read) * width
+            n_missing = int(np.count_nonzero(u_status == FeatureStatus.MISSING))
             if len(unique) == n:
                 # Usual case (no duplicates): rows already in order when ids were unique.
                 values[:, offset : offset + width] = u_values
