@@ -105,6 +105,7 @@ class _Outcome:
 
 
 _NOT_READ = object()
+_GRACE_S = 0.002
 
 
 def _discard_result(tasks: set):
@@ -149,11 +150,14 @@ class _Lane:
                     loop.call_soon(self._flush)
             for view, ids in wanted.items():
                 self._pending.setdefault(view, {}).update(dict.fromkeys(ids))  # duplicates read once
-            self._pending_deadline = max(self._pending_deadline, deadline)
+            # The earliest deadline: the shared read ends (and the breaker counts it) before any of
+            # its callers' budgets; a later joiner loses at most the window.
+            self._pending_deadline = min(self._pending_deadline, deadline)
             self._pending_requests += 1
             future = self._pending_future
         try:
-            return await asyncio.wait_for(asyncio.shield(future), max(deadline - time.perf_counter(), 0.0))
+            # The read resolves the future by `deadline`; the grace only covers a stalled event loop.
+            return await asyncio.wait_for(asyncio.shield(future), max(deadline - time.perf_counter(), 0.0) + _GRACE_S)
         except TimeoutError:
             return _Outcome(None, "timeout", max(deadline - time.perf_counter(), 0.0))
 
@@ -186,9 +190,9 @@ class _Lane:
         self.metrics.coalesced.labels(name).observe(requests)
         start = time.perf_counter()
         reason: str | None = None
-        # Not asyncio.wait_for: it waits for the cancelled read to finish, and a read blocked on a
-        # paused Redis inside Feast may not finish until Redis answers. The budget ends the wait here;
-        # the cancelled read is left to unwind in the background.
+        # Not asyncio.wait_for: after the timeout it also waits for the cancelled read to unwind
+        # (disconnecting, Feast's clean-up). asyncio.wait ends at the budget whatever the read does;
+        # the cancelled read unwinds in the background.
         task = asyncio.get_running_loop().create_task(self.backend.read(wanted))
         done, _ = await asyncio.wait({task}, timeout=max(deadline - start, 1e-4))
         if not done:

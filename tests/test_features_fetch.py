@@ -246,3 +246,29 @@ async def test_fetchers_count_apart_although_feast_sets_multiprocess_mode(sqlite
     sample = {"service": "fraud", "outcome": "ok"}
     assert a.registry.get_sample_value("scorestack_feature_fetches_total", sample) == 1
     assert b.registry.get_sample_value("scorestack_feature_fetches_total", sample) == 0
+
+
+def _hmget_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("backend", ["direct", "feast_async"])
+async def test_duplicate_entities_are_read_once_by_redis(private_redis, tmp_path, backend):
+    """Counted by Redis itself: 50 fetches of 10 users, with and without coalescing."""
+    repo = store.init_repo(tmp_path / "repo", online="redis", redis_url=private_redis.url, n_users=50, n_items=10)
+    store.apply(repo)
+    store.materialize(repo)
+    admin = redis.Redis.from_url(private_redis.url, socket_timeout=5)
+    users = [1 + i % 10 for i in range(50)]
+    # Per entity: the direct reader reads all its views with one HMGET; Feast issues one per view.
+    per_user = 1 if backend == "direct" else 2
+    calls = {}
+    for window in (None, 0.002):
+        async with FeatureFetcher(store.feature_store(repo), backend=backend, coalesce_window_s=window, cache=False, timeout_s=2.0) as f:
+            admin.config_resetstat()
+            results = await asyncio.gather(*(f.fetch("fraud", {"user_id": u}) for u in users))
+            calls[window] = _hmget_calls(admin)
+            assert all(not r.degraded for r in results)
+    admin.close()
+    assert calls[None] == 50 * per_user
+    assert calls[0.002] == 10 * per_user
