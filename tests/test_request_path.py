@@ -31,6 +31,16 @@ def _source(specs, name):
     return load_source(load_spec(specs[name]), str(specs[name]))
 
 
+def _open(loop, grpc_url, repo, *, deadline_s, **fetch_options):
+    """Client and fetcher created inside `loop`: gRPC aio channels belong to the loop that made them."""
+
+    async def make():
+        fetcher = FeatureFetcher.from_repo(repo, **fetch_options)
+        return TritonClient(grpc_url, deadline_s=deadline_s), await fetcher.start()
+
+    return loop.run_until_complete(make())
+
+
 @pytest.fixture(scope="module")
 def loop():
     loop = asyncio.new_event_loop()
@@ -58,9 +68,7 @@ def triton(compiled_demo, server_environment):
 
 @pytest.fixture(scope="module")
 def services(loop, triton, feature_repo):
-    client = TritonClient(triton.grpc_url, deadline_s=2.0)
-    fetcher = FeatureFetcher.from_repo(feature_repo, timeout_s=0.5)
-    loop.run_until_complete(fetcher.start())
+    client, fetcher = _open(loop, triton.grpc_url, feature_repo, deadline_s=2.0, timeout_s=0.5)
     fraud = FraudService(client, fetcher, model="fraud_xgb")
     ranking = RankingService(client, fetcher, model="ranking_xgb", max_candidates=1000, chunk_size=128)
     yield client, fetcher, fraud, ranking
@@ -238,9 +246,7 @@ def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, 
     _, repository, _ = compiled_demo
     ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
     server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **ports).start()
-    client = TritonClient(server.grpc_url, deadline_s=0.5)
-    fetcher = FeatureFetcher.from_repo(feature_repo, timeout_s=0.5)
-    loop.run_until_complete(fetcher.start())
+    client, fetcher = _open(loop, server.grpc_url, feature_repo, deadline_s=0.5, timeout_s=0.5)
     fraud = FraudService(client, fetcher, model="fraud_xgb")
     try:
         before = loop.run_until_complete(fraud.score(_transaction(2, 20))).probability
@@ -267,9 +273,7 @@ def test_redis_stopped_gives_degraded_score(loop, triton, private_redis, tmp_pat
     store.init_repo(repo, online="redis", redis_url=private_redis.url, n_users=50, n_items=50, project="e2e_redis_down")
     store.apply(repo)
     store.materialize(repo)
-    client = TritonClient(triton.grpc_url, deadline_s=2.0)
-    fetcher = FeatureFetcher.from_repo(repo, timeout_s=0.02, cache=False)
-    loop.run_until_complete(fetcher.start())
+    client, fetcher = _open(loop, triton.grpc_url, repo, deadline_s=2.0, timeout_s=0.02, cache=False)
     fraud = FraudService(client, fetcher, model="fraud_xgb")
     try:
         healthy = loop.run_until_complete(fraud.score(_transaction(3, 4)))

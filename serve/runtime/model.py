@@ -147,8 +147,11 @@ class TritonPythonModel:
         outputs = []
         for (name, dtype, dims), value in zip(self.output_specs, raw):
             value = np.asarray(value)
-            if self.output_column is not None and value.ndim == 2 and value.shape[1] > 1:
-                value = value[:, self.output_column]
+            if self.output_column is not None:
+                # e.g. predict_proba (n, 2) or TL2cgen's (n, 1, k): pick the column the compiler chose.
+                flat = value.reshape(n_rows, -1)
+                if flat.shape[1] > 1:
+                    value = flat[:, self.output_column]
             value = value.reshape([n_rows] + [d if d > 0 else -1 for d in dims]).astype(dtype, copy=False)
             outputs.append(np.ascontiguousarray(value))
         return outputs
