@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
@@ -35,7 +35,7 @@ from scorestack.features.backends import (
     Wanted,
 )
 from scorestack.features.metrics import FetchMetrics
-from scorestack.features.resilience import BreakerState, CircuitBreaker, TTLCache
+from scorestack.features.resilience import CircuitBreaker, TTLCache
 
 if TYPE_CHECKING:
     import feast
