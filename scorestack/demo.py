@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -28,12 +30,32 @@ def demo(
 
     from scorestack.errors import ScorestackError
 
-    console = Console()
+    # The console keeps the terminal while native build chatter goes to the workspace log.
+    console = Console(file=os.fdopen(os.dup(1), "w", buffering=1))
     try:
         run_demo(console, workspace, fraud_requests, ranking_requests, candidates)
     except ScorestackError as exc:
         console.print(f"[red]demo failed:[/red] {exc}")
         raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _quiet(log_path: Path):
+    """Send native libraries' chatter (TL2cgen, Treelite, Feast's progress) to a log file, not the terminal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log_path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
 
 
 def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_candidates: int) -> list:
@@ -46,18 +68,20 @@ def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_ca
     ws = Path(workspace) if workspace else paths.workspace()
     ws.mkdir(parents=True, exist_ok=True)
     models_dir, repository, feature_repo = ws / "models", ws / "model_repository", ws / "feature_repo"
+    log = ws / "demo.log"
+    console.print(f"workspace {ws} (build output in {log})")
 
-    with console.status("training demo models (skipped when present)"):
+    with console.status("training demo models (skipped when present)"), _quiet(log):
         specs = train_demo_models(models_dir)
     console.print(f"[green]models[/green] {', '.join(p.stem for p in specs)} in {models_dir}")
     for spec in specs:
-        with console.status(f"compiling {spec.stem} (skipped when unchanged)"):
+        with console.status(f"compiling {spec.stem} (skipped when unchanged)"), _quiet(log):
             report = compile_model(spec, repository)
         console.print(f"[green]compiled[/green] {spec.stem}: selected {_selected(report)}")
 
     redis_url = os.environ.get("REDIS_URL")
     online = "redis" if redis_url else "sqlite"
-    with console.status(f"feature store: apply and materialize ({online})"):
+    with console.status(f"feature store: apply and materialize ({online})"), _quiet(log):
         store.init_repo(feature_repo, online=online, redis_url=redis_url)
         store.apply(feature_repo)
         store.materialize(feature_repo)
