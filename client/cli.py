@@ -21,6 +21,8 @@ def diagnose(
     candidates: int = typer.Option(200, help="Candidates per ranking request."),
     fraud_model: str = typer.Option("fraud_xgb", help="Fraud model name in Triton."),
     ranking_model: str = typer.Option("ranking_xgb", help="Ranking model name in Triton."),
+    users: int = typer.Option(5000, help="Sample user ids from 1..USERS."),
+    items: int = typer.Option(2000, help="Sample item ids from 1..ITEMS."),
 ) -> None:
     """Send sample traffic, read Triton's statistics, and say which phase dominates and what to do."""
     from rich.console import Console
@@ -33,7 +35,7 @@ def diagnose(
     repo = feature_repo or paths.workspace() / "feature_repo"
     try:
         result = asyncio.run(
-            run_diagnosis(url, repo, fraud_requests, ranking_requests, candidates, fraud_model=fraud_model, ranking_model=ranking_model)
+            run_diagnosis(url, repo, fraud_requests, ranking_requests, candidates, fraud_model=fraud_model, ranking_model=ranking_model, n_users=users, n_items=items)
         )
     except ScorestackError as exc:
         console.print(f"[red]error:[/red] {exc}")

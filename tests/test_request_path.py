@@ -290,3 +290,39 @@ def test_redis_stopped_gives_degraded_score(loop, triton, private_redis, tmp_pat
     finally:
         loop.run_until_complete(fetcher.close())
         loop.run_until_complete(client.close())
+
+
+def test_diagnosis_breaks_down_real_traffic(loop, services):
+    from scorestack.client.diagnose import ADVICE, diagnosis_line, measure
+
+    client, _, fraud, ranking = services
+
+    async def send(i: int):
+        return await fraud.score(_transaction(i % 5, 1 + i % 300))
+
+    b = loop.run_until_complete(measure(client, "fraud", "fraud_xgb", send, 40, warmup=3))
+    assert b.requests == 40 and b.degraded == 0
+    assert set(b.phases_ms) == {"features", "client", "queue", "compute", "network"}
+    assert b.phases_ms["compute"] > 0 and b.phases_ms["features"] > 0
+    assert all(v >= 0 for v in b.phases_ms.values())
+    # Server-side phases fit inside what the client saw for the Triton call.
+    assert b.phases_ms["queue"] + b.phases_ms["compute"] <= b.client_phase_p99["infer"] * 1.5
+    assert b.dominant == max(b.phases_ms, key=b.phases_ms.get) and b.advice == ADVICE[b.dominant]
+    assert b.avg_batch >= 1.0
+    assert b.dominant in diagnosis_line(b) and f"{b.p50_total_ms:.2f}" in diagnosis_line(b)
+
+
+def test_diagnose_command_against_running_stack(triton, feature_repo):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "scorestack"
+    out = subprocess.run(
+        [str(exe), "diagnose", "--url", triton.grpc_url, "--feature-repo", str(feature_repo), "--fraud-requests", "30",
+         "--ranking-requests", "5", "--candidates", "50", "--users", str(N_USERS), "--items", str(N_ITEMS)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Where the time goes" in out.stdout
+    assert "diagnosis fraud:" in out.stdout and "diagnosis ranking:" in out.stdout
