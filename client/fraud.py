@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from scorestack import schema
-from scorestack.client.requests import entity_id, numeric_fields, record
+from scorestack.client.requests import column_plan, entity_id, numeric_fields, record
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import RequestValidationError
@@ -56,16 +56,7 @@ class FraudService:
         self.deadline_s = deadline_s
         self.feature_service = feature_service
         self.feature_names = tuple(feature_names)
-        store_names = fetcher.feature_names(feature_service)
-        position = {n: i for i, n in enumerate(self.feature_names)}
-        unknown = [n for n in (*store_names, *self.request_fields) if n not in position]
-        if unknown or len(store_names) + len(self.request_fields) != len(self.feature_names):
-            raise RequestValidationError(
-                "feature_names",
-                f"model features must be the store features plus the request fields; not in the model: {unknown}",
-            )
-        self._store_cols = np.array([position[n] for n in store_names], dtype=np.intp)
-        self._request_cols = np.array([position[n] for n in self.request_fields], dtype=np.intp)
+        self._store_cols, self._request_cols = column_plan(self.feature_names, fetcher.feature_names(feature_service), self.request_fields)
 
     async def score(self, transaction: Mapping[str, Any]) -> FraudScore:
         timer = PhaseTimer()

@@ -53,3 +53,23 @@ def record(payload: Any, required: Sequence[str], *, name: str, allowed: Sequenc
 
 def numeric_fields(payload: Mapping[str, Any], fields: Sequence[str], prefix: str = "") -> np.ndarray:
     return np.array([number(payload[f], f"{prefix}{f}") for f in fields], dtype=np.float32)
+
+
+def column_plan(model_features: Sequence[str], store_features: Sequence[str], request_fields: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the store features and of the request fields in the model's feature order.
+
+    The model's features must be exactly the store's plus the request's, each once.
+    """
+    position = {n: i for i, n in enumerate(model_features)}
+    unknown = [n for n in (*store_features, *request_fields) if n not in position]
+    if unknown or len(store_features) + len(request_fields) != len(model_features):
+        missing = sorted(set(model_features) - set(store_features) - set(request_fields))
+        raise RequestValidationError(
+            "feature_names",
+            f"model features must be the feature service's plus the request's fields; not in the model: {unknown}; "
+            f"in the model but provided by neither: {missing}",
+        )
+    return (
+        np.array([position[n] for n in store_features], dtype=np.intp),
+        np.array([position[n] for n in request_fields], dtype=np.intp),
+    )

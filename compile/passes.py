@@ -8,28 +8,21 @@ measured on rows the pass did not choose on.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .loaders import Holdout, SourceModel
+from .report import PassReport
 from .spec import DistillationSpec, PruningSpec
 
 
-@dataclass
-class PassResult:
-    name: str
-    accepted: bool
-    reason: str
-    metric: str = ""
-    source_quality: float | None = None
-    result_quality: float | None = None
-    quality_drop: float | None = None
-    quality_budget: float | None = None
-    trees_before: int | None = None
-    trees_after: int | None = None
-    details: dict[str, Any] = field(default_factory=dict)
+_PASS_FIELDS = tuple(PassReport.model_fields)
+
+
+def _pass_report(*values: Any, **named: Any) -> PassReport:
+    """A PassReport from positional values in field order (name, accepted, reason, metric, ...)."""
+    return PassReport(**dict(zip(_PASS_FIELDS, values)), **named)
 
 
 def ndcg_at(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray, k: int = 10) -> float:
@@ -89,7 +82,7 @@ def _rounds(source: SourceModel) -> int | None:
     return None
 
 
-def prune(source: SourceModel, holdout: Holdout, spec: PruningSpec) -> tuple[SourceModel, PassResult]:
+def prune(source: SourceModel, holdout: Holdout, spec: PruningSpec) -> tuple[SourceModel, PassReport]:
     """Smallest prefix of the ensemble whose metric drop stays within the budget.
 
     The held-out rows are split in two halves (whole query groups for ranking); a prefix is accepted
@@ -97,14 +90,14 @@ def prune(source: SourceModel, holdout: Holdout, spec: PruningSpec) -> tuple[Sou
     """
     rounds = _rounds(source)
     if rounds is None:
-        return source, PassResult("pruning", False, f"not an additive tree ensemble ({source.description})")
+        return source, _pass_report("pruning", False, f"not an additive tree ensemble ({source.description})")
     if holdout.y is None:
-        return source, PassResult("pruning", False, "held-out rows have no labels (y): quality cannot be measured")
+        return source, _pass_report("pruning", False, "held-out rows have no labels (y): quality cannot be measured")
     halves = holdout.halves()
     metric, base_a = quality(source.task, source.predict(halves[0].X), halves[0])
     _, base_b = quality(source.task, source.predict(halves[1].X), halves[1])
     _, base_all = quality(source.task, source.predict(holdout.X), holdout)
-    result = PassResult("pruning", False, "", metric, base_all, None, None, spec.quality_budget, rounds, rounds)
+    result = _pass_report("pruning", False, "", metric, base_all, None, None, spec.quality_budget, rounds, rounds)
     step = max(1, rounds // 50)
     for k in range(max(spec.min_trees, step), rounds, step):
         cand = _prefix(source, k)
@@ -135,13 +128,13 @@ def _teacher_score(task: str, scores: np.ndarray) -> np.ndarray:
     return scores[:, 0] if task != "multiclass" else scores.max(1)
 
 
-def distill(teacher: SourceModel, holdout: Holdout, spec: DistillationSpec, train: Holdout | None, threads: int = 2, seed: int = 0) -> tuple[SourceModel, PassResult]:
+def distill(teacher: SourceModel, holdout: Holdout, spec: DistillationSpec, train: Holdout | None, threads: int = 2, seed: int = 0) -> tuple[SourceModel, PassReport]:
     """Train a smaller XGBoost student on a mix of the teacher's scores and the labels; keep it only within budget."""
     import xgboost as xgb
     from sklearn.metrics import average_precision_score, roc_auc_score
 
     if holdout.y is None:
-        return teacher, PassResult("distillation", False, "held-out rows have no labels (y): quality cannot be measured")
+        return teacher, _pass_report("distillation", False, "held-out rows have no labels (y): quality cannot be measured")
     if train is None:
         train, evaluate = holdout.halves()
         where = "first half of the held-out rows"
@@ -149,7 +142,7 @@ def distill(teacher: SourceModel, holdout: Holdout, spec: DistillationSpec, trai
         evaluate = holdout
         where = "distillation.train_rows"
     if train.y is None:
-        return teacher, PassResult("distillation", False, "training rows have no labels (y)")
+        return teacher, _pass_report("distillation", False, "training rows have no labels (y)")
     task = teacher.task
     t_train = teacher.predict(train.X)
     params: dict[str, Any] = {
@@ -198,7 +191,7 @@ def distill(teacher: SourceModel, holdout: Holdout, spec: DistillationSpec, trai
         )
     if task == "ranking":
         details.update(teacher_ndcg10=q_t, student_ndcg10=q_s)
-    result = PassResult("distillation", drop <= spec.quality_budget, "", metric, q_t, q_s, drop, spec.quality_budget, teacher.n_trees, student.n_trees, details)
+    result = _pass_report("distillation", drop <= spec.quality_budget, "", metric, q_t, q_s, drop, spec.quality_budget, teacher.n_trees, student.n_trees, details)
     if result.accepted:
         result.reason = f"student {metric} {q_s:.4f} vs teacher {q_t:.4f} (drop {drop:.4g} <= {spec.quality_budget:g})"
         return student, result

@@ -74,13 +74,13 @@ def _apply_passes(spec: ModelSpec, source: SourceModel, holdout: Holdout, thread
     opt = spec.optimization
     if opt.pruning is not None and opt.pruning.enabled:
         model, res = passes.prune(model, holdout, opt.pruning)
-        reports.append(PassReport(**res.__dict__))
+        reports.append(res)
     if opt.distillation is not None and opt.distillation.enabled:
         train = None
         if opt.distillation.train_rows is not None:
             train = load_holdout(opt.distillation.train_rows, spec, spec.name, "optimization.distillation.train_rows")
         model, res = passes.distill(model, holdout, opt.distillation, train, threads=threads)
-        reports.append(PassReport(**res.__dict__))
+        reports.append(res)
     return model, reports
 
 
