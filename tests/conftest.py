@@ -100,15 +100,17 @@ def private_redis(tmp_path: Path):
 
 @pytest.fixture(scope="session")
 def compiled_demo(tmp_path_factory):
-    """The demo models, trained and compiled once per session: (models_dir, repository, {name: spec_path})."""
+    """The demo models (real sizes), trained and compiled once per session.
+
+    Returns (models_dir, repository, {name: spec_path}, {name: CompileReport}).
+    """
     from scorestack.compile import compile_model, train_demo_models
 
     root = tmp_path_factory.mktemp("demo")
     specs = {p.stem: p for p in train_demo_models(root / "models")}
     repository = root / "model_repository"
-    for name in ("fraud_xgb", "ranking_xgb", "fraud_sklearn"):
-        compile_model(specs[name], repository)
-    return root / "models", repository, specs
+    reports = {name: compile_model(specs[name], repository) for name in ("fraud_xgb", "ranking_xgb", "fraud_sklearn")}
+    return root / "models", repository, specs, reports
 
 
 @pytest.fixture(scope="session")

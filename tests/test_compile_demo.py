@@ -12,7 +12,6 @@ import tritonclient.grpc as grpcclient
 import xgboost as xgb
 
 from scorestack import schema
-from scorestack.compile import compile_model, train_demo_models
 from scorestack.serve import LocalTriton
 
 pytestmark = pytest.mark.slow
@@ -21,11 +20,9 @@ DEMO = ("fraud_xgb", "fraud_sklearn", "ranking_xgb")
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
-    models = tmp_path_factory.mktemp("models")
-    repo = tmp_path_factory.mktemp("repo")
-    specs = train_demo_models(models)  # the real demo sizes (300-tree fraud model)
-    reports = {s.stem: compile_model(s, repo) for s in specs}
+def compiled(compiled_demo) -> tuple[Path, Path, dict]:
+    # Shared with the request-path tests: the real demo sizes (300-tree fraud model), compiled once.
+    models, repo, _, reports = compiled_demo
     return models, repo, reports
 
 

@@ -59,7 +59,7 @@ def feature_repo(tmp_path_factory, redis_url):
 
 @pytest.fixture(scope="module")
 def triton(compiled_demo, server_environment):
-    _, repository, _ = compiled_demo
+    _, repository, _, _ = compiled_demo
     ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
     server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb", "ranking_xgb"], **ports).start()
     yield server
@@ -243,7 +243,7 @@ def test_server_healthy_after_malformed_traffic(loop, services, compiled_demo):
 
 
 def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, feature_repo):
-    _, repository, _ = compiled_demo
+    _, repository, _, _ = compiled_demo
     ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
     server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **ports).start()
     client, fetcher = _open(loop, server.grpc_url, feature_repo, deadline_s=0.5, timeout_s=0.5)
