@@ -51,7 +51,10 @@ async def run(grpc_url: str, repo: Path, rounds: int, n: int) -> dict:
                 "phase_p50_ms": b.client_phase_p50, "avg_batch": b.avg_batch, "dominant": b.dominant,
             }
         for n_cand in (100, 500, 1000):
-            variants = {"one_call": None, "chunk_64": 64, "chunk_128": 128, "chunk_256": 256}
+            # Chunks never exceed the model's max_batch_size (the compiler set it from the spec).
+            mbs = (await triton.model_info("ranking_xgb")).max_batch_size
+            sizes = sorted({min(c, mbs) for c in (50, 100, mbs)})
+            variants = {f"chunk_{c}" + (" (max_batch_size)" if c == mbs else ""): c for c in sizes}
             samples: dict[str, list[float]] = {k: [] for k in variants}
             services = {k: RankingService(triton, fetcher, chunk_size=v, max_candidates=2000) for k, v in variants.items()}
             for r in range(rounds):

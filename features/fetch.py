@@ -237,7 +237,9 @@ class FeatureFetcher:
             hashes) for services that join several entities (ranking: one user + many items).
         timeout_s: budget of one fetch, including any coalescing wait; past it, defaults.
         coalesce_window_s: fetches to the same backend arriving within this window share one store
-            round trip (0: those issued in the same event-loop turn; None: no coalescing).
+            round trip (0, the default: those issued in the same event-loop turn; None: no
+            coalescing). A positive window is paid in full by a lone fetch, and asyncio's timers
+            round it up to about 1 ms (measured: 200 us cost +1.1 ms p50 at concurrency 1).
         cache: keep rows of views whose `cache_ttl_s` tag is > 0 in process for that long.
         breaker_failures, breaker_cooldown_s: the circuit breaker per backend.
         registry: Prometheus registry for the metrics (default: a new one, `fetcher.registry`).
@@ -250,7 +252,7 @@ class FeatureFetcher:
         *,
         backend: str | Mapping[str, str] = "auto",
         timeout_s: float = 0.020,
-        coalesce_window_s: float | None = 0.0002,
+        coalesce_window_s: float | None = 0.0,
         cache: bool = True,
         cache_max_entries: int = 100_000,
         breaker_failures: int = 5,
