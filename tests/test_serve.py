@@ -225,3 +225,49 @@ def test_unsupported_platform_points_to_docker_compose(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "arm64")
     with pytest.raises(PlatformError, match="docker"):
         check_platform()
+
+
+def test_serve_command_runs_until_ctrl_c(onnx_repo, server_env, tmp_path):
+    import os
+    import re
+    import signal
+    import sys
+    import time
+
+    exe = Path(sys.executable).parent / "scorestack"
+    env = dict(os.environ, TMPDIR=str(tmp_path), COLUMNS="200")
+    proc = subprocess.Popen([str(exe), "serve", "--repository", str(onnx_repo)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        grpc = None
+        while time.monotonic() < deadline and grpc is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"gRPC\s+(127\.0\.0\.1:\d+)", line)
+            grpc = m.group(1) if m else None
+        assert grpc, "".join(lines)
+        X = np.random.default_rng(4).normal(size=(2, N_FEATURES)).astype(np.float32)
+        c = grpcclient.InferenceServerClient(grpc)
+        inp = grpcclient.InferInput("X", list(X.shape), "FP32")
+        inp.set_data_from_numpy(X)
+        np.testing.assert_allclose(c.infer("gb", [inp]).as_numpy("probabilities"), _reference(onnx_repo, X)[0], atol=1e-6)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(lines) + out
+    assert "stopped" in out
+    assert not list(tmp_path.glob("scorestack-triton-*"))  # run directory removed
+    assert _server_gone(c)
+
+
+def _server_gone(client) -> bool:
+    try:
+        client.is_server_live(client_timeout=1)
+        return False
+    except Exception:  # noqa: BLE001 - any failure to reach it means it is gone
+        return True
