@@ -16,6 +16,9 @@ from scorestack.errors import RequestValidationError
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
 
 
+DEFAULT_THRESHOLD = 0.5
+
+
 @dataclass(frozen=True)
 class FraudScore:
     probability: float
@@ -31,7 +34,9 @@ class FraudScore:
 class FraudService:
     """Scores one transaction: features fetched first, request fields validated meanwhile, one Triton call.
 
-    `transaction` is a mapping with `user_id` and every field of `schema.FRAUD_REQUEST`.
+    `transaction` is a mapping with `user_id` and every field of `schema.FRAUD_REQUEST`. The
+    decision threshold is the spec's `serving.decision_threshold`, which the compiler wrote into the
+    served model's config (`scorestack_decision_threshold`); pass `threshold` to override it.
     """
 
     request_fields: tuple[str, ...] = schema.FRAUD_REQUEST
@@ -42,12 +47,12 @@ class FraudService:
         fetcher: FeatureFetcher,
         *,
         model: str = "fraud_xgb",
-        threshold: float = 0.5,
+        threshold: float | None = None,
         feature_names: Sequence[str] = schema.FRAUD_FEATURES,
         feature_service: str = "fraud",
         deadline_s: float | None = None,
     ) -> None:
-        if not 0.0 <= threshold <= 1.0:
+        if threshold is not None and not 0.0 <= threshold <= 1.0:
             raise RequestValidationError("threshold", f"must be within [0, 1], got {threshold}")
         self.triton = triton
         self.fetcher = fetcher
@@ -84,13 +89,20 @@ class FraudService:
         with timer.phase("infer"):
             result = await self.triton.infer(self.model, {schema.INPUT_TENSOR: vector}, deadline_s=self.deadline_s)
         probability = float(result.outputs[schema.OUTPUT_TENSORS["binary"]].reshape(-1)[0])
+        threshold = self.threshold if self.threshold is not None else await self._served_threshold()
         return FraudScore(
             probability=probability,
-            decision=probability >= self.threshold,
-            threshold=self.threshold,
+            decision=probability >= threshold,
+            threshold=threshold,
             degraded=features.degraded,
             degraded_reason=features.reason,
             features=vector[0],
             feature_status={n: FeatureStatus(int(s)).name.lower() for n, s in zip(features.feature_names, features.status[0])},
             timings_ms=timer.finish(),
         )
+
+    async def _served_threshold(self) -> float:
+        """The served model's decision threshold (metadata is cached by the client: no extra call)."""
+        info = await self.triton.model_info(self.model, deadline_s=self.deadline_s)
+        raw = info.parameters.get("scorestack_decision_threshold", "")
+        return float(raw) if raw.strip() else DEFAULT_THRESHOLD

@@ -45,6 +45,7 @@ class ModelInfo:
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
     max_batch_size: int
+    parameters: dict[str, str] = field(default_factory=dict)  # config.pbtxt `parameters` (string values)
 
 
 @dataclass
@@ -128,6 +129,7 @@ class TritonClient:
             inputs=tuple(TensorInfo(t["name"], t["datatype"], tuple(int(d) for d in t["shape"])) for t in meta["inputs"]),
             outputs=tuple(TensorInfo(t["name"], t["datatype"], tuple(int(d) for d in t["shape"])) for t in meta["outputs"]),
             max_batch_size=int(cfg.get("max_batch_size", 0) or 0),
+            parameters={k: str(v.get("string_value", "")) for k, v in (cfg.get("parameters") or {}).items()},
         )
         self._models[model] = info
         return info

@@ -106,6 +106,9 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
         params["scorestack_output_column"] = str(artifact.output_column)
     if artifact.method is not None:
         params["scorestack_method"] = artifact.method
+    if spec.task == "binary":
+        threshold = spec.serving.decision_threshold
+        params["scorestack_decision_threshold"] = repr(0.5 if threshold is None else float(threshold))
     if artifact.backend == "onnxruntime":  # the ONNX Runtime backend reads these itself
         params["intra_op_thread_count"] = str(settings.threads)
         params["inter_op_thread_count"] = "1"

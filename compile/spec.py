@@ -50,6 +50,9 @@ class ServingSpec(_Strict):
     batch_sizes: list[PositiveInt] = Field(default_factory=lambda: [1, 64], min_length=1)
     batch_weights: list[PositiveFloat] | None = None
     latency_budget_ms: PositiveFloat = 10.0
+    # Binary models: the probability at or above which the service decides "positive" (e.g. hold
+    # the payment). Written into config.pbtxt so every client reads the same value from Triton.
+    decision_threshold: float | None = Field(None, ge=0.0, le=1.0)
 
     @field_validator("batch_weights")
     @classmethod
@@ -125,6 +128,14 @@ class ModelSpec(_Strict):
             raise ValueError(f"a {task} model exposes exactly one output named {schema.OUTPUT_TENSORS[task]!r}")
         return v
 
+    @field_validator("serving")
+    @classmethod
+    def _threshold_only_for_binary(cls, v: ServingSpec, info: ValidationInfo) -> ServingSpec:
+        task = info.data.get("task")
+        if v.decision_threshold is not None and task is not None and task != "binary":
+            raise ValueError(f"decision_threshold applies to binary models only (task is {task})")
+        return v
+
     @property
     def output_name(self) -> str:
         return schema.OUTPUT_TENSORS[self.task]
@@ -149,6 +160,7 @@ _FIXES = {
     "serving.latency_budget_ms": "set the per-request budget in milliseconds, such as 5",
     "serving.batch_sizes": "list the batch sizes you expect, such as [1, 64]",
     "serving.batch_weights": "give one positive weight per batch size, or omit it",
+    "serving.decision_threshold": "give a probability in [0, 1] (binary models only), or omit it for 0.5",
     "threads": "give a thread count such as 1, or a list such as [1, 2]",
     "holdout": "give a .npz file with arrays X and y (and group for ranking)",
     "formats": "use some of onnx, native, tl2cgen, hummingbird, tensorrt",

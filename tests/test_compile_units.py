@@ -75,6 +75,17 @@ def test_spec_errors_for_unknown_values(tmp_path: Path) -> None:
     assert "field `colour`: is not a known field" in msg
 
 
+def test_decision_threshold_is_checked_and_emitted(tmp_path: Path) -> None:
+    base = {"name": "m", "source": {"path": "m.json", "format": "xgboost-json"}, "inputs": {"features": ["a"]}, "holdout": "h.npz"}
+    with pytest.raises(SpecError) as err:
+        parse_spec({**base, "task": "ranking", "serving": {"decision_threshold": 0.3}}, "m.yaml", tmp_path)
+    assert "field `serving`: decision_threshold applies to binary models only (task is ranking)" in str(err.value)
+    with pytest.raises(SpecError) as err:
+        parse_spec({**base, "task": "binary", "serving": {"decision_threshold": 1.5}}, "m.yaml", tmp_path)
+    assert "field `serving.decision_threshold`: must be <= 1" in str(err.value) and "probability in [0, 1]" in str(err.value)
+    assert parse_spec({**base, "task": "binary", "serving": {"decision_threshold": 0.2}}, "m.yaml", tmp_path).serving.decision_threshold == 0.2
+
+
 def test_spec_relative_paths_resolve_against_the_spec_folder(demo_dir: Path) -> None:
     spec = load_spec(demo_dir / "fraud_xgb.yaml")
     assert spec.source.path == (demo_dir / "fraud_xgb.json").resolve()

@@ -41,6 +41,12 @@ def _open(loop, grpc_url, repo, *, deadline_s, **fetch_options):
     return loop.run_until_complete(make())
 
 
+def _spec(specs, name):
+    from scorestack.compile.spec import load_spec
+
+    return load_spec(specs[name])
+
+
 @pytest.fixture(scope="module")
 def loop():
     loop = asyncio.new_event_loop()
@@ -103,6 +109,8 @@ def test_fraud_score_equals_source_model(loop, services, compiled_demo, feature_
         vectors.append(result.features)
         scores.append(result.probability)
         assert result.decision == (result.probability >= result.threshold)
+        # The threshold is the spec's, carried through config.pbtxt and read back from Triton.
+        assert result.threshold == pytest.approx(_spec(compiled_demo[2], "fraud_xgb").serving.decision_threshold)
         assert set(result.timings_ms) >= {"validate", "features", "assemble", "infer", "total"}
     want = source.predict(np.stack(vectors)).ravel()
     np.testing.assert_allclose(scores, want, atol=1e-5)
