@@ -271,3 +271,62 @@ def _server_gone(client) -> bool:
         return False
     except Exception:  # noqa: BLE001 - any failure to reach it means it is gone
         return True
+
+
+def _picky_onnx() -> bytes:
+    """Y = X for X of shape [n, 5], but only when 5n is divisible by 3 (a Reshape to [-1, 3] inside)."""
+    from onnx import TensorProto, helper
+
+    shape3 = helper.make_tensor("shape3", TensorProto.INT64, [2], [-1, 3])
+    shape5 = helper.make_tensor("shape5", TensorProto.INT64, [2], [-1, 5])
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["X", "shape3"], ["T"]), helper.make_node("Reshape", ["T", "shape5"], ["Y"])],
+        "picky",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["n", 5])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["n", 5])],
+        initializer=[shape3, shape5],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_runtime_reports_failures_per_request(tmp_path, server_env):
+    # A batch that fails as a whole is retried request by request: good requests still succeed,
+    # and each failing one gets its own error naming the model.
+    repo = tmp_path / "repo"
+    (repo / "picky" / "1").mkdir(parents=True)
+    (repo / "picky" / "1" / "model.onnx").write_bytes(_picky_onnx())
+    (repo / "picky" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 16\n'
+        'input [{ name: "X" data_type: TYPE_FP32 dims: [5] }]\noutput [{ name: "Y" data_type: TYPE_FP32 dims: [5] }]\n'
+        "dynamic_batching { max_queue_delay_microseconds: 50000 }\n"
+    )
+    with LocalTriton(repo, server_env=server_env) as server:
+        good = [np.arange(15, dtype=np.float32).reshape(3, 5) + i for i in range(3)]
+        bad = np.ones((1, 5), dtype=np.float32)
+
+        async def run():
+            client = aiogrpc.InferenceServerClient(server.grpc_url)
+            try:
+                async def one(x):
+                    inp = aiogrpc.InferInput("X", list(x.shape), "FP32")
+                    inp.set_data_from_numpy(x)
+                    try:
+                        return (await client.infer("picky", [inp], client_timeout=30)).as_numpy("Y")
+                    except Exception as exc:  # noqa: BLE001 - the error is what we check
+                        return exc
+
+                return await asyncio.gather(*(one(x) for x in [*good, bad]))
+            finally:
+                await client.close()
+
+        results = asyncio.run(run())
+        g = grpcclient.InferenceServerClient(server.grpc_url)
+        stats = g.get_inference_statistics("picky").model_stats[0]
+    for x, y in zip(good, results[:3]):
+        np.testing.assert_array_equal(y, x)
+    assert isinstance(results[3], Exception)
+    assert "model picky" in str(results[3]) and "Reshape" in str(results[3])
+    # The 50 ms queue delay joined them into one execution, which failed and was split.
+    assert stats.execution_count < stats.inference_count
