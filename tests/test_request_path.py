@@ -221,6 +221,41 @@ def test_malformed_fraud_requests_get_errors(loop, services, txn):
         loop.run_until_complete(fraud.score(txn))
 
 
+@st.composite
+def _malformed_ranking(draw):
+    user, items, ctx = 5, [1, 2, 3], _context()
+    kind = draw(st.sampled_from(["user", "items_type", "item_value", "too_many", "duplicate", "empty", "ctx_drop", "ctx_value", "ctx_extra", "ctx_type"]))
+    if kind == "user":
+        user = draw(st.one_of(st.integers(max_value=0), st.floats(), st.text(max_size=3), st.none(), st.booleans()))
+    elif kind == "items_type":
+        items = draw(st.one_of(st.none(), st.integers(), st.text(max_size=4), st.dictionaries(st.integers(), st.integers(), max_size=2)))
+    elif kind == "item_value":
+        items = [1, draw(st.one_of(st.integers(max_value=0), st.floats(), st.text(max_size=3), st.none(), st.booleans())), 3]
+    elif kind == "too_many":
+        items = list(range(1, 1002 + draw(st.integers(0, 50))))
+    elif kind == "duplicate":
+        items = [1, 2, 2]
+    elif kind == "empty":
+        items = []
+    elif kind == "ctx_drop":
+        ctx.pop(draw(st.sampled_from(sorted(ctx))))
+    elif kind == "ctx_value":
+        ctx[draw(st.sampled_from(sorted(ctx)))] = draw(_bad_values)
+    elif kind == "ctx_extra":
+        ctx[draw(st.text(min_size=1, max_size=6).filter(lambda k: k not in ctx))] = 0.0
+    else:
+        ctx = draw(st.one_of(st.none(), st.lists(st.integers(), max_size=2), st.text(max_size=3)))
+    return user, items, ctx
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(request=_malformed_ranking())
+def test_malformed_ranking_requests_get_errors(loop, services, request):
+    _, _, _, ranking = services
+    with pytest.raises(RequestValidationError):
+        loop.run_until_complete(ranking.rank(*request))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     rows=st.integers(min_value=0, max_value=5),
