@@ -19,6 +19,7 @@ import numpy as np
 from pathlib import Path
 
 from scorestack.client.triton import TritonClient
+from scorestack.errors import InferenceError
 
 ADVICE = {
     "features": "feature fetch dominates: cache slow-moving views, coalesce concurrent fetches, use the direct Redis reader for many entities (features/)",
@@ -81,6 +82,7 @@ class Breakdown:
     advice: str = ""
     client_phase_p50: dict[str, float] = field(default_factory=dict)
     client_phase_p99: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # failed requests by error type (e.g. OverloadedError)
 
     def __post_init__(self) -> None:
         self.dominant = max(self.phases_ms, key=self.phases_ms.__getitem__)
@@ -150,23 +152,35 @@ async def measure(
     concurrency: int = 1,
     warmup: int = 10,
 ) -> Breakdown:
-    """Send `n` requests through `send(i)` (returning a result with `timings_ms`, `degraded`, maybe `chunks`)."""
+    """Send `n` requests through `send(i)` (returning a result with `timings_ms`, `degraded`, maybe `chunks`).
+
+    A request that fails with an InferenceError (e.g. rejected by the queue policy under load) is
+    counted in `errors`, not timed: the breakdown describes the requests that were served.
+    """
     for i in range(warmup):
         await send(i)
     before = await server_snapshot(triton, model)
     results: list[Any] = []
+    errors: dict[str, int] = {}
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
         async with sem:
-            results.append(await send(warmup + i))
+            try:
+                results.append(await send(warmup + i))
+            except InferenceError as exc:
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
 
     await asyncio.gather(*(one(i) for i in range(n)))
     # Statistics are updated when responses are released: give the last ones a moment.
     await asyncio.sleep(0.05)
     after = await server_snapshot(triton, model)
+    if not results:
+        raise InferenceError(f"model {model!r}: all {n} {service} requests failed: {errors}")
     calls = sum(getattr(r, "chunks", 1) for r in results)
-    return breakdown(service, model, [r.timings_ms for r in results], calls, before, after, sum(bool(r.degraded) for r in results))
+    b = breakdown(service, model, [r.timings_ms for r in results], calls, before, after, sum(bool(r.degraded) for r in results))
+    b.errors = errors
+    return b
 
 
 def render(breakdowns: Sequence[Breakdown]):
@@ -186,8 +200,9 @@ def render(breakdowns: Sequence[Breakdown]):
 
 def diagnosis_line(b: Breakdown) -> str:
     share = b.phases_ms[b.dominant] / max(sum(b.phases_ms.values()), 1e-9)
+    failed = f" ({sum(b.errors.values())} failed: {', '.join(f'{k} {v}' for k, v in b.errors.items())})" if b.errors else ""
     return (
-        f"{b.service}: p50 {b.p50_total_ms:.2f} ms, p99 {b.p99_total_ms:.2f} ms over {b.requests} requests; "
+        f"{b.service}: p50 {b.p50_total_ms:.2f} ms, p99 {b.p99_total_ms:.2f} ms over {b.requests} requests{failed}; "
         f"{b.dominant} is {share:.0%} of the time -> {b.advice}"
     )
 

@@ -12,7 +12,7 @@ import numpy as np
 import tritonclient.grpc.aio as aiogrpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from scorestack.errors import InferenceError, RequestValidationError
+from scorestack.errors import InferenceError, OverloadedError, RequestValidationError
 
 DEFAULT_DEADLINE_S = 1.0
 _MAX_MESSAGE = 2**31 - 1
@@ -60,7 +60,19 @@ def _status(exc: InferenceServerException) -> str:
     return (exc.status() or "").upper()
 
 
+# Triton answers UNAVAILABLE both when it cannot be reached and when its queue policy rejects a
+# request (timeout_action REJECT, max_queue_size): only the first is worth a retry.
+_QUEUE_REJECTIONS = ("request timeout expired", "exceeds maximum queue size", "maximum queue size")
+
+
+def _is_rejection(exc: InferenceServerException) -> bool:
+    text = (exc.message() or str(exc)).lower()
+    return any(s in text for s in _QUEUE_REJECTIONS)
+
+
 def _is_unavailable(exc: InferenceServerException) -> bool:
+    if _is_rejection(exc):
+        return False
     status = _status(exc)
     text = str(exc)
     return "UNAVAILABLE" in status or "StatusCode.UNAVAILABLE" in text or "failed to connect" in text.lower()
@@ -161,6 +173,13 @@ class TritonClient:
         *,
         deadline_s: float | None = None,
     ) -> InferResult:
+        """Run `model` on `inputs` (name -> array) within the deadline.
+
+        The remaining deadline also goes to Triton as the request's queue timeout: Triton takes it
+        only when it is shorter than the model's own (`allow_timeout_override` can tighten, never
+        extend), so the server drops requests whose caller has already given up instead of
+        computing them.
+        """
         start = time.perf_counter()
         deadline = time.monotonic() + (deadline_s or self.deadline_s)
         info = await self.model_info(model, deadline_s=deadline_s)
@@ -178,7 +197,9 @@ class TritonClient:
         async def call(timeout: float):
             nonlocal attempts
             attempts += 1
-            return await self._client.infer(model, request_inputs, outputs=request_outputs, client_timeout=timeout)
+            return await self._client.infer(
+                model, request_inputs, outputs=request_outputs, client_timeout=timeout, timeout=max(int(timeout * 1e6), 1)
+            )
 
         result = await self._retrying(model, deadline, call)
         out = {n: result.as_numpy(n) for n in wanted}
@@ -203,6 +224,12 @@ class TritonClient:
             except asyncio.TimeoutError as exc:
                 raise InferenceError(f"model {model!r}: no response from Triton at {self.url} within the deadline") from exc
             except InferenceServerException as exc:
+                if _is_rejection(exc):
+                    raise OverloadedError(
+                        f"model {model!r}: rejected by Triton's queue policy ({exc.message()}): the request "
+                        "waited past the model's queue timeout or the queue was full; add instances, raise "
+                        "the spec's latency budget, or send less load"
+                    ) from exc
                 if _is_unavailable(exc) and attempt < self.max_retries:
                     attempt += 1
                     last = exc.message() or str(exc)

@@ -35,6 +35,13 @@ class InferenceError(ScorestackError):
     """An inference request failed; the message names the model."""
 
 
+class OverloadedError(InferenceError):
+    """Triton refused the request by its queue policy (queued past its timeout, or queue full).
+
+    Not retried: it is the server shedding load by design; retrying would add load and hide it.
+    """
+
+
 class RequestValidationError(ScorestackError):
     """A scoring request is invalid; ``field`` names the offending field."""
 

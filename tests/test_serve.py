@@ -330,3 +330,41 @@ def test_runtime_reports_failures_per_request(tmp_path, server_env):
     assert "model picky" in str(results[3]) and "Reshape" in str(results[3])
     # The 50 ms queue delay joined them into one execution, which failed and was split.
     assert stats.execution_count < stats.inference_count
+
+
+def test_client_raises_queue_rejections_without_retrying(onnx_repo, tmp_path, server_env):
+    # Triton answers UNAVAILABLE both when it is down and when its queue policy rejects: only the
+    # first is retried. Here every request waits for a 200 ms batch that never fills, past a 1 us
+    # queue timeout, so the server rejects it for real.
+    import shutil
+    import time
+
+    from scorestack.client.triton import TritonClient
+    from scorestack.errors import OverloadedError
+
+    repo = tmp_path / "repo"
+    shutil.copytree(onnx_repo, repo)
+    config = CONFIG.replace("max_queue_delay_microseconds: 2000", "max_queue_delay_microseconds: 200000 preferred_batch_size: [64]")
+    config = config.replace("default_timeout_microseconds: 5000000", "default_timeout_microseconds: 1")
+    config = config.replace("response_cache { enable: true }", "")
+    (repo / "gb" / "config.pbtxt").write_text(config)
+    X = np.random.default_rng(5).normal(size=(2, N_FEATURES)).astype(np.float32)
+
+    async def run(url: str):
+        client = TritonClient(url, deadline_s=5.0)
+        try:
+            start = time.monotonic()
+            with pytest.raises(OverloadedError, match="model 'gb': rejected by Triton's queue policy") as err:
+                await client.infer("gb", {"X": X})
+            rejected_after = time.monotonic() - start
+            return err.value, rejected_after, await client.is_ready()
+        finally:
+            await client.close()
+
+    with LocalTriton(repo, server_env=server_env) as server:
+        err, rejected_after, ready = asyncio.run(run(server.grpc_url))
+        stats = grpcclient.InferenceServerClient(server.grpc_url).get_inference_statistics("gb").model_stats[0]
+    assert "Request timeout expired" in str(err)
+    # One attempt, not retries until the 5 s deadline: Triton saw exactly one request, and failed it.
+    assert stats.inference_stats.fail.count == 1 and stats.inference_stats.success.count == 0
+    assert rejected_after < 2.5 and ready
