@@ -9,7 +9,7 @@ if ! .venv/bin/python -c "import redis,sys; redis.Redis(host='127.0.0.1', port=6
     redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
     sleep 0.5
   else
-    echo "warning: no Redis at 127.0.0.1:6379 and no redis-server binary: Redis tests will skip (fail under CI)" >&2
+    echo "warning: no Redis at 127.0.0.1:6379 and no redis-server binary (apt-get install redis-server): Redis tests will fail" >&2
   fi
 fi
 exec .venv/bin/python -m pytest "$@"

@@ -146,7 +146,6 @@ def test_trusted_joblib_compiles(tmp_path: Path, demo_dir: Path) -> None:
 
 
 def test_hummingbird_without_base_score_is_rejected(tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("hummingbird.ml")
     from scorestack.compile import convert_xgboost
 
     monkeypatch.setattr(convert_xgboost, "hummingbird_extra_config", lambda source: {"n_features": source.n_features})
@@ -161,7 +160,6 @@ def test_hummingbird_without_base_score_is_rejected(tmp_path: Path, demo_dir: Pa
 
 
 def test_hummingbird_with_base_score_is_exact(tmp_path: Path, demo_dir: Path) -> None:
-    pytest.importorskip("hummingbird.ml")
     spec = write_spec(tmp_path, demo_dir / "fraud_xgb.yaml", "hb_ok", formats=["hummingbird"])
     report = compile_model(spec, tmp_path / "repo")
     assert report.selected.format == "hummingbird"
