@@ -114,9 +114,10 @@ def breakdown(
     server_request = per_call(after.success_ns - before.success_ns)
     calls_per_request = calls / n
     infer = mean("infer")
-    # Concurrent chunks overlap: attribute server time per request, not per call summed.
-    overlap = 1.0 if calls_per_request <= 1 else 1.0 / calls_per_request
-    queue_r, compute_r, server_r = (x * calls_per_request * overlap for x in (queue, compute, server_request))
+    # Concurrent chunks overlap: a request that made several calls waited about one call's server
+    # time, not their sum.
+    scale = min(calls_per_request, 1.0)
+    queue_r, compute_r, server_r = (x * scale for x in (queue, compute, server_request))
     network = max(infer - server_r, 0.0)
     phases = {
         "features": mean("features_wait"),

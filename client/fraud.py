@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from scorestack import schema
-from scorestack.client.requests import column_plan, entity_id, numeric_fields, record
+from scorestack.client.requests import ScoringPath, entity_id, numeric_fields, record
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import RequestValidationError
@@ -31,7 +31,7 @@ class FraudScore:
     timings_ms: dict[str, float]  # validate, features, assemble, infer, total
 
 
-class FraudService:
+class FraudService(ScoringPath):
     """Scores one transaction: features fetched first, request fields validated meanwhile, one Triton call.
 
     `transaction` is a mapping with `user_id` and every field of `schema.FRAUD_REQUEST`. The
@@ -54,14 +54,8 @@ class FraudService:
     ) -> None:
         if threshold is not None and not 0.0 <= threshold <= 1.0:
             raise RequestValidationError("threshold", f"must be within [0, 1], got {threshold}")
-        self.triton = triton
-        self.fetcher = fetcher
-        self.model = model
+        super().__init__(triton, fetcher, model=model, feature_names=feature_names, feature_service=feature_service, deadline_s=deadline_s)
         self.threshold = threshold
-        self.deadline_s = deadline_s
-        self.feature_service = feature_service
-        self.feature_names = tuple(feature_names)
-        self._store_cols, self._request_cols = column_plan(self.feature_names, fetcher.feature_names(feature_service), self.request_fields)
 
     async def score(self, transaction: Mapping[str, Any]) -> FraudScore:
         timer = PhaseTimer()

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from scorestack import schema
-from scorestack.client.requests import column_plan, entity_id, numeric_fields, record
+from scorestack.client.requests import ScoringPath, entity_id, numeric_fields, record
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import RequestValidationError
@@ -28,7 +28,7 @@ class RankedList:
     timings_ms: dict[str, float]  # validate, features, assemble, infer, total
 
 
-class RankingService:
+class RankingService(ScoringPath):
     """Ranks candidates for a user: user and item features in one concurrent fetch, batched inference.
 
     Lists longer than `chunk_size` (default: the model's max_batch_size) are split into chunks that
@@ -38,7 +38,7 @@ class RankingService:
     opt-in for machines with more cores.
     """
 
-    context_fields: tuple[str, ...] = schema.RANKING_REQUEST
+    request_fields: tuple[str, ...] = schema.RANKING_REQUEST  # the request's `context`
 
     def __init__(
         self,
@@ -52,15 +52,9 @@ class RankingService:
         chunk_size: int | None = None,
         deadline_s: float | None = None,
     ) -> None:
-        self.triton = triton
-        self.fetcher = fetcher
-        self.model = model
-        self.feature_service = feature_service
+        super().__init__(triton, fetcher, model=model, feature_names=feature_names, feature_service=feature_service, deadline_s=deadline_s)
         self.max_candidates = max_candidates
         self.chunk_size = chunk_size
-        self.deadline_s = deadline_s
-        self.feature_names = tuple(feature_names)
-        self._store_cols, self._context_cols = column_plan(self.feature_names, fetcher.feature_names(feature_service), self.context_fields)
 
     def _validate_candidates(self, candidate_ids: Any) -> list[int]:
         if isinstance(candidate_ids, (str, bytes)) or not isinstance(candidate_ids, Sequence | np.ndarray):
@@ -84,7 +78,7 @@ class RankingService:
             items = self._validate_candidates(candidate_ids)
             fetch = asyncio.ensure_future(self.fetcher.fetch(self.feature_service, {"user_id": user, "item_id": items}))
             try:
-                ctx = numeric_fields(record(context, self.context_fields, name="context"), self.context_fields, "context.")
+                ctx = numeric_fields(record(context, self.request_fields, name="context"), self.request_fields, "context.")
             except BaseException:
                 fetch.cancel()
                 raise
@@ -95,7 +89,7 @@ class RankingService:
             n = len(items)
             batch = np.empty((n, len(self.feature_names)), dtype=np.float32)
             batch[:, self._store_cols] = features.values
-            batch[:, self._context_cols] = ctx
+            batch[:, self._request_cols] = ctx
         with timer.phase("infer"):
             info = await self.triton.model_info(self.model, deadline_s=self.deadline_s)
             size = min(self.chunk_size or n, info.max_batch_size or n)

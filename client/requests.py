@@ -6,9 +6,15 @@ import math
 import numbers
 from typing import Any, Mapping, Sequence
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from scorestack.errors import RequestValidationError
+
+if TYPE_CHECKING:
+    from scorestack.client.triton import TritonClient
+    from scorestack.features.fetch import FeatureFetcher
 
 _INT64_MAX = 2**63 - 1
 
@@ -73,3 +79,28 @@ def column_plan(model_features: Sequence[str], store_features: Sequence[str], re
         np.array([position[n] for n in store_features], dtype=np.intp),
         np.array([position[n] for n in request_fields], dtype=np.intp),
     )
+
+
+class ScoringPath:
+    """What the fraud and ranking paths share: the Triton client, the feature fetcher, and where the
+    store's features and the request's fields go in the model's feature order."""
+
+    request_fields: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        triton: "TritonClient",
+        fetcher: "FeatureFetcher",
+        *,
+        model: str,
+        feature_names: Sequence[str],
+        feature_service: str,
+        deadline_s: float | None,
+    ) -> None:
+        self.triton = triton
+        self.fetcher = fetcher
+        self.model = model
+        self.feature_service = feature_service
+        self.deadline_s = deadline_s
+        self.feature_names = tuple(feature_names)
+        self._store_cols, self._request_cols = column_plan(self.feature_names, fetcher.feature_names(feature_service), self.request_fields)

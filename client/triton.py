@@ -53,7 +53,6 @@ class InferResult:
     outputs: dict[str, np.ndarray]
     client_ms: float  # request sent -> response decoded, including retries
     attempts: int = 1
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def _status(exc: InferenceServerException) -> str:
@@ -71,8 +70,7 @@ def _is_rejection(exc: InferenceServerException) -> bool:
 
 
 def _is_unavailable(exc: InferenceServerException) -> bool:
-    if _is_rejection(exc):
-        return False
+    """Triton could not be reached (callers test `_is_rejection` first: it is UNAVAILABLE too)."""
     status = _status(exc)
     text = str(exc)
     return "UNAVAILABLE" in status or "StatusCode.UNAVAILABLE" in text or "failed to connect" in text.lower()

@@ -5,7 +5,9 @@ Public entry points: `compile_model`, `compile_many`, `load_spec`, `train_demo_m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from scorestack._lazy import lazy_exports
 
 if TYPE_CHECKING:  # imports stay lazy: `scorestack --help` must not load XGBoost and ONNX
     from .jobs import JobResult, compile_many
@@ -15,21 +17,17 @@ if TYPE_CHECKING:  # imports stay lazy: `scorestack --help` must not load XGBoos
     from .demo import train_demo_models
 
 _EXPORTS = {
-    "compile_model": "pipeline",
-    "compile_many": "jobs",
-    "JobResult": "jobs",
-    "CompileReport": "report",
-    "ModelSpec": "spec",
-    "load_spec": "spec",
-    "train_demo_models": "demo",
+    name: f"{__name__}.{module}"
+    for name, module in {
+        "compile_model": "pipeline",
+        "compile_many": "jobs",
+        "JobResult": "jobs",
+        "CompileReport": "report",
+        "ModelSpec": "spec",
+        "load_spec": "spec",
+        "train_demo_models": "demo",
+    }.items()
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -48,7 +48,6 @@ def train_demo_models(
         return list(specs.values())
 
     users = demo_data.make_users()
-    fraud_features = list(schema.FRAUD_FEATURES)
     if not (specs["fraud_xgb"].exists() and specs["fraud_sklearn"].exists()):
         X, y, _ = demo_data.make_fraud_dataset(users, n=n_fraud)
         tr, te = _split(len(X), seed=5)
@@ -60,40 +59,15 @@ def train_demo_models(
             clf.fit(X[tr], y[tr])
             clf.get_booster().save_model(str(out / "fraud_xgb.json"))
             threshold = _review_threshold(clf.predict_proba(X[tr])[:, 1])
-            _write_spec(
-                specs["fraud_xgb"],
-                {
-                    "name": "fraud_xgb",
-                    "source": {"path": "fraud_xgb.json", "format": "xgboost-json", "trusted": False},
-                    "task": "binary",
-                    "inputs": {"features": fraud_features, "dtype": "float32"},
-                    "outputs": [schema.OUTPUT_TENSORS["binary"]],
-                    "target": "cpu",
-                    "serving": {**_SERVING, "decision_threshold": threshold},
-                    "verification": {"tolerance": 1e-5},
-                    "threads": [1],
-                    "holdout": "fraud_holdout.npz",
-                },
-            )
+            _write_spec(specs["fraud_xgb"], _fraud_spec("fraud_xgb", {"path": "fraud_xgb.json", "format": "xgboost-json", "trusted": False}, threshold))
         if not specs["fraud_sklearn"].exists():
             hgb = HistGradientBoostingClassifier(max_iter=sklearn_iters, learning_rate=0.1, random_state=0)
             hgb.fit(X[tr], y[tr])
             joblib.dump(hgb, out / "fraud_sklearn.joblib")
             threshold = _review_threshold(hgb.predict_proba(X[tr])[:, 1])
-            _write_spec(
-                specs["fraud_sklearn"],
-                {
-                    "name": "fraud_sklearn",
-                    # We trained this file ourselves a moment ago, so unpickling it is safe.
-                    "source": {"path": "fraud_sklearn.joblib", "format": "joblib", "trusted": True},
-                    "task": "binary",
-                    "inputs": {"features": fraud_features, "dtype": "float32"},
-                    "serving": {**_SERVING, "decision_threshold": threshold},
-                    "verification": {"tolerance": 1e-5},
-                    "threads": [1],
-                    "holdout": "fraud_holdout.npz",
-                },
-            )
+            # We trained this file ourselves a moment ago, so unpickling it is safe.
+            source = {"path": "fraud_sklearn.joblib", "format": "joblib", "trusted": True}
+            _write_spec(specs["fraud_sklearn"], _fraud_spec("fraud_sklearn", source, threshold))
     if not specs["ranking_xgb"].exists():
         items = demo_data.make_items()
         X, rel, groups = demo_data.make_ranking_dataset(users, items, n_queries=n_queries)
@@ -121,6 +95,22 @@ def train_demo_models(
             },
         )
     return list(specs.values())
+
+
+def _fraud_spec(name: str, source: dict, threshold: float) -> dict:
+    """The spec of a demo fraud model: same features, batch mix, tolerance and held-out rows."""
+    return {
+        "name": name,
+        "source": source,
+        "task": "binary",
+        "inputs": {"features": list(schema.FRAUD_FEATURES), "dtype": "float32"},
+        "outputs": [schema.OUTPUT_TENSORS["binary"]],
+        "target": "cpu",
+        "serving": {**_SERVING, "decision_threshold": threshold},
+        "verification": {"tolerance": 1e-5},
+        "threads": [1],
+        "holdout": "fraud_holdout.npz",
+    }
 
 
 def _review_threshold(train_scores: np.ndarray, review_rate: float = 0.02) -> float:

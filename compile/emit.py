@@ -44,7 +44,8 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
         f"slack = budget {budget:.0f} µs − server overhead {SERVER_OVERHEAD_US} µs (gRPC floor, PLATFORM_NOTES) − "
         f"model time at batch {max_batch} {t_max:.0f} µs = {slack:.0f} µs.",
         f"max_queue_delay_microseconds = 10% of the slack, capped at {MAX_QUEUE_DELAY_US} µs, rounded down to 50 µs = {delay} "
-        "(the delay is paid in full at low load; 200 µs got most of the measured throughput gain of larger delays).",
+        "(the delay is paid in full at low load; PLATFORM_NOTES measured 7,581 req/s at 200 µs against 7,901 at 1,000 µs "
+        "and 6,923 at 0 µs, concurrency 64).",
         f"default_timeout_microseconds = max(queue delay + 100, slack) = {timeout}: a request queued longer cannot meet "
         "its budget, so it is rejected (timeout_action REJECT) instead of served late; clients may override.",
         f"max_queue_size = instances × ⌊timeout / model time at max batch⌋ × max batch = {instances} × {drains} × {max_batch}, "

@@ -5,7 +5,7 @@ Heavy modules (Feast, redis) load on first use: `from scorestack.features import
 
 from __future__ import annotations
 
-from typing import Any
+from scorestack._lazy import lazy_exports
 
 _EXPORTS = {
     "FeatureFetcher": "scorestack.features.fetch",
@@ -19,11 +19,4 @@ _EXPORTS = {
 }
 
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'scorestack.features' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -77,7 +77,7 @@ def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_ca
     for spec in specs:
         with console.status(f"compiling {spec.stem} (skipped when unchanged)"), _quiet(log):
             report = compile_model(spec, repository)
-        console.print(f"[green]compiled[/green] {spec.stem}: selected {_selected(report)}")
+        console.print(f"[green]compiled[/green] {spec.stem}: selected {report.selected.format}")
 
     redis_url = os.environ.get("REDIS_URL")
     online = "redis" if redis_url else "sqlite"
@@ -100,11 +100,3 @@ def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_ca
         console.print(f"[bold]diagnosis[/bold] {diagnosis_line(b)}")
     console.print("Triton stopped; demo done.")
     return breakdowns
-
-
-def _selected(report) -> str:
-    selected = getattr(report, "selected", None)
-    if selected is None and isinstance(report, dict):
-        selected = report.get("selected")
-    fmt = getattr(selected, "format", None) or (selected.get("format") if isinstance(selected, dict) else None)
-    return str(fmt or selected)

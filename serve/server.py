@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_READY_TIMEOUT_S = 120.0
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
-_ADDRESS_IN_USE = ("Address already in use", "address already in use", "Failed to start", "failed to start")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -109,23 +108,23 @@ class LocalTriton:
         for name, reason in self.view.skipped.items():
             log.warning("model %s not served locally: %s", name, reason)
         backends = self._assemble_backends(env)
-        attempts = 1 if all(self._fixed_ports) else 3
-        for attempt in range(attempts):
+        # Free ports are picked then released: another process may take one first. Retry that
+        # (and only that) with new ports, unless the caller fixed every port.
+        attempts_left = 1 if all(self._fixed_ports) else 3
+        while True:
+            attempts_left -= 1
             self._pick_ports()
             self._launch(env, backends)
             try:
                 self.wait_ready(self.ready_timeout_s)
                 return self
-            except ServerError as exc:
-                tail = self.log_tail()
+            except ServerError:
+                collided = "address already in use" in self.log_tail().lower()
                 self._terminate()
-                # Free ports are picked then released: another process may take one first.
-                if attempt + 1 < attempts and any(s in tail for s in _ADDRESS_IN_USE) and "Address" in tail:
-                    log.warning("port collision, retrying with new ports")
-                    continue
-                self._cleanup()
-                raise exc
-        raise ServerError("unreachable")
+                if not (collided and attempts_left > 0):
+                    self._cleanup()
+                    raise
+                log.warning("port collision, retrying with new ports")
 
     def stop(self, timeout_s: float = 20.0) -> None:
         self._terminate(timeout_s)
