@@ -73,13 +73,7 @@ class FraudService(ScoringPath):
             except BaseException:
                 fetch.cancel()
                 raise
-        with timer.phase("features_wait"):
-            features = await fetch
-        timer.set("features", features.timings.total_s * 1e3)
-        with timer.phase("assemble"):
-            vector = np.empty((1, len(self.feature_names)), dtype=np.float32)
-            vector[0, self._store_cols] = features.values[0]
-            vector[0, self._request_cols] = request_values
+        features, vector = await self._features_matrix(timer, fetch, request_values)
         with timer.phase("infer"):
             result = await self.triton.infer(self.model, {schema.INPUT_TENSOR: vector}, deadline_s=self.deadline_s)
         probability = float(result.outputs[schema.OUTPUT_TENSORS["binary"]].reshape(-1)[0])

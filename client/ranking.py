@@ -82,14 +82,8 @@ class RankingService(ScoringPath):
             except BaseException:
                 fetch.cancel()
                 raise
-        with timer.phase("features_wait"):
-            features = await fetch
-        timer.set("features", features.timings.total_s * 1e3)
-        with timer.phase("assemble"):
-            n = len(items)
-            batch = np.empty((n, len(self.feature_names)), dtype=np.float32)
-            batch[:, self._store_cols] = features.values
-            batch[:, self._request_cols] = ctx
+        features, batch = await self._features_matrix(timer, fetch, ctx)
+        n = len(items)
         with timer.phase("infer"):
             info = await self.triton.model_info(self.model, deadline_s=self.deadline_s)
             size = min(self.chunk_size or n, info.max_batch_size or n)

@@ -13,6 +13,9 @@ import numpy as np
 from scorestack.errors import RequestValidationError
 
 if TYPE_CHECKING:
+    import asyncio
+
+    from scorestack.client.timing import PhaseTimer
     from scorestack.client.triton import TritonClient
     from scorestack.features.fetch import FeatureFetcher
 
@@ -104,3 +107,15 @@ class ScoringPath:
         self.deadline_s = deadline_s
         self.feature_names = tuple(feature_names)
         self._store_cols, self._request_cols = column_plan(self.feature_names, fetcher.feature_names(feature_service), self.request_fields)
+
+    async def _features_matrix(self, timer: "PhaseTimer", fetch: "asyncio.Future", request_values: np.ndarray):
+        """Wait for the fetch (phase `features_wait`; the fetch's own time is `features`), then
+        assemble the model's input: store features and request fields in the model's order."""
+        with timer.phase("features_wait"):
+            features = await fetch
+        timer.set("features", features.timings.total_s * 1e3)
+        with timer.phase("assemble"):
+            matrix = np.empty((len(features.values), len(self.feature_names)), dtype=np.float32)
+            matrix[:, self._store_cols] = features.values
+            matrix[:, self._request_cols] = request_values
+        return features, matrix
