@@ -18,6 +18,7 @@ ONNX_OPSET = 17
 # hummingbird's perf_tree_trav strategy (chosen for deep trees) writes 2^depth nodes per tree:
 # a depth-18 model came out at 819 MB (PLATFORM_NOTES); refuse before wasting the time.
 HUMMINGBIRD_MAX_DEPTH = 12
+TL2CGEN_ARTIFACT = "model-tl2cgen.so"  # a name no `import` can resolve (see emit.check_artifact_name)
 
 
 def compile_tl2cgen(treelite_model: Any, workdir: Path, ctx: ConvertContext, notes: list[str] | None = None) -> Artifact:
@@ -26,7 +27,8 @@ def compile_tl2cgen(treelite_model: Any, workdir: Path, ctx: ConvertContext, not
         raise Skip("gcc not found: TL2cgen needs a C compiler")
     import tl2cgen
 
-    path = workdir / "model.so"
+    # Not `model.so`: beside the runtime's model.py, Python would import the library as the model.
+    path = workdir / TL2CGEN_ARTIFACT
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tl2cgen.export_lib(
@@ -40,7 +42,7 @@ def compile_tl2cgen(treelite_model: Any, workdir: Path, ctx: ConvertContext, not
     raw = np.asarray(predictor.predict(tl2cgen.DMatrix(ctx.sample[:4])))
     column = output_column(ctx.task, raw)
     del predictor
-    return Artifact("tl2cgen", "tl2cgen", "python", "model.so", path, output_column=column, notes=list(notes or []))
+    return Artifact("tl2cgen", "tl2cgen", "python", TL2CGEN_ARTIFACT, path, output_column=column, notes=list(notes or []))
 
 
 def hummingbird_available() -> bool:

@@ -13,8 +13,14 @@ def compile_command(
     repository: Optional[Path] = typer.Option(None, "--repository", "-r", help="Triton model repository to write (default: ./model_repository)."),
     jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Specs compiled at once, each in its own process (timings share the CPUs)."),
     force: bool = typer.Option(False, "--force", "-f", help="Recompile even when spec, source and held-out rows are unchanged."),
+    serve_check: bool = typer.Option(True, "--serve-check/--no-serve-check", help="Load each new model in the local Triton and check it over gRPC before it joins the repository."),
+    serve_url: Optional[str] = typer.Option(None, "--serve-url", help="gRPC address of a Triton serving the repository (e.g. 127.0.0.1:8001): load each new version there (hot-swap)."),
 ) -> None:
-    """Compile trained models into verified, measured Triton model folders."""
+    """Compile trained models into verified, measured Triton model folders.
+
+    Each compile adds a version to `<repository>/<name>/`; with --serve-url the running server loads
+    it while the previous version finishes its requests.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -36,20 +42,33 @@ def compile_command(
             colour = {"compiled": "green", "skipped": "blue", "failed": "red"}[result.status]
             progress.console.log(f"[{colour}]{result.status}[/] {result.name} ({result.duration_s:.1f} s)")
 
-        results = compile_many(specs, repo, jobs=jobs, force=force, on_update=on_update)
+        results = compile_many(specs, repo, jobs=jobs, force=force, on_update=on_update, serve_check=serve_check)
+    swap_errors = []
+    if serve_url:
+        from scorestack.errors import ServerError
+        from scorestack.serve.control import load_version
+
+        for r in results:
+            if r.status == "compiled" and r.version is not None:
+                try:
+                    took = load_version(serve_url, r.name, r.version)
+                    console.print(f"[green]serving[/] {r.name} version {r.version} on {serve_url} ({took:.1f} s)")
+                except ServerError as exc:
+                    swap_errors.append(str(exc))
+                    console.print(f"[red]hot-swap failed[/] {exc}")
 
     table = Table(title="compile summary")
-    for col in ("model", "status", "selected", "µs per call by batch", "time s", "error"):
+    for col in ("model", "status", "selected", "version", "µs per call by batch", "time s", "error"):
         table.add_column(col)
     for r in results:
         lat = ", ".join(f"{b}: {v:.1f}" for b, v in r.latency_us.items())
         colour = {"compiled": "green", "skipped": "blue", "failed": "red"}[r.status]
-        table.add_row(r.name, f"[{colour}]{r.status}[/]", r.selected or "–", lat or "–", f"{r.duration_s:.1f}", (r.error or "").splitlines()[0][:200] if r.error else "")
+        table.add_row(r.name, f"[{colour}]{r.status}[/]", r.selected or "–", str(r.version or "–"), lat or "–", f"{r.duration_s:.1f}", (r.error or "").splitlines()[0][:200] if r.error else "")
     console.print(table)
     failed = [r for r in results if not r.ok]
     for r in failed:
         console.print(f"[red]{r.name}[/] ({r.spec}):\n{r.error}")
-    if failed:
+    if failed or swap_errors:
         raise typer.Exit(code=1)
 
 

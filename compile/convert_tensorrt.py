@@ -2,8 +2,8 @@
 
 TensorRT cannot parse ai.onnx.ml TreeEnsemble ops, so the engine is built from hummingbird's
 tensor-op graph. TensorRT is not installable on the project's CPU machines (PLATFORM_NOTES): there
-this converter reports "skipped" with the reason. Written against TensorRT 10's Python API;
-UNVERIFIED on a GPU machine so far.
+this converter reports "skipped" with the reason. Written against TensorRT 10's Python API; the
+plan runs through the model runtime's TensorRT runner (serve/runtime/scorestack_runtime.py).
 """
 
 from __future__ import annotations
@@ -57,32 +57,6 @@ def convert_tensorrt(source: SourceModel, workdir: Path, ctx: ConvertContext) ->
     path = workdir / "model.plan"
     path.write_bytes(bytes(plan))
     return Artifact("tensorrt", "tensorrt", "tensorrt", "model.plan", path, notes=[f"TensorRT {trt.__version__}, profile 1/{OPT_BATCH}/{MAX_BATCH}"])
-
-
-def tensorrt_runner(path: Path, output_name: str):
-    """Run a plan in-process on the GPU (device buffers through torch.cuda)."""
-    trt = _import_tensorrt()
-    import torch
-
-    if not torch.cuda.is_available():
-        raise Skip("no CUDA device visible to torch")
-    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    engine = runtime.deserialize_cuda_engine(path.read_bytes())
-    context = engine.create_execution_context()
-    stream = torch.cuda.Stream()
-
-    def _run(x: np.ndarray) -> np.ndarray:
-        xin = torch.from_numpy(np.ascontiguousarray(x)).cuda()
-        context.set_input_shape(schema.INPUT_TENSOR, tuple(xin.shape))
-        out_shape = tuple(context.get_tensor_shape(output_name))
-        out = torch.empty(out_shape, dtype=torch.float32, device="cuda")
-        context.set_tensor_address(schema.INPUT_TENSOR, xin.data_ptr())
-        context.set_tensor_address(output_name, out.data_ptr())
-        context.execute_async_v3(stream.cuda_stream)
-        stream.synchronize()
-        return out.cpu().numpy()
-
-    return _run
 
 
 for _family in ("xgboost", "sklearn-trees", "sklearn"):

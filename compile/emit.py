@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import math
 import shutil
-from importlib import resources
 from pathlib import Path
+from typing import Any
 
+from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from scorestack import schema
+from scorestack.serve import runtime_files
+from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.triton_config import format_config, parse_config
 
 from .registry import Artifact
@@ -89,6 +93,10 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
     policy.allow_timeout_override = True
     policy.max_queue_size = settings.max_queue_size
 
+    # The last N versions are served (and kept on disk): a hot-swap loads the new one while the old
+    # one finishes its requests, and a client may pin the previous version to compare or roll back.
+    cfg.version_policy.latest.num_versions = spec.serving.keep_versions
+
     group = cfg.instance_group.add(count=settings.instance_count)
     group.kind = mc.ModelInstanceGroup.KIND_GPU if settings.instance_kind == "KIND_GPU" else mc.ModelInstanceGroup.KIND_CPU
 
@@ -99,17 +107,18 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
     wi.zero_data = True
 
     params = {
-        "scorestack_runtime": artifact.runtime,
-        "scorestack_artifact": artifact.artifact_name,
-        "scorestack_threads": str(settings.threads),
+        rt.PARAM_RUNTIME: artifact.runtime,
+        rt.PARAM_ARTIFACT: artifact.artifact_name,
+        rt.PARAM_THREADS: str(settings.threads),
+        rt.PARAM_INTEGRITY: "sha256",
     }
     if artifact.output_column is not None:
-        params["scorestack_output_column"] = str(artifact.output_column)
+        params[rt.PARAM_OUTPUT_COLUMN] = str(artifact.output_column)
     if artifact.method is not None:
-        params["scorestack_method"] = artifact.method
+        params[rt.PARAM_METHOD] = artifact.method
     if spec.task == "binary":
         threshold = spec.serving.decision_threshold
-        params["scorestack_decision_threshold"] = repr(0.5 if threshold is None else float(threshold))
+        params[rt.PARAM_DECISION_THRESHOLD] = repr(0.5 if threshold is None else float(threshold))
     if artifact.backend == "onnxruntime":  # the ONNX Runtime backend reads these itself
         params["intra_op_thread_count"] = str(settings.threads)
         params["inter_op_thread_count"] = "1"
@@ -118,24 +127,44 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
     return cfg
 
 
-def runtime_file() -> Path:
-    """The serving stage's model runtime (a data file of scorestack.serve.runtime), copied next to native artifacts."""
-    return Path(str(resources.files("scorestack.serve.runtime") / "model.py"))
+def config_dict(cfg: mc.ModelConfig) -> dict[str, Any]:
+    """The config as Triton hands it to the Python backend (JSON field names, enums as strings)."""
+    return json_format.MessageToDict(cfg, preserving_proto_field_name=True)
 
 
-def write_model_folder(folder: Path, spec: ModelSpec, artifact: Artifact, settings: TritonSettings, n_outputs: int) -> mc.ModelConfig:
-    """Write config.pbtxt and 1/<artifact> (plus 1/model.py for Python-backend artifacts) into `folder`."""
-    version = folder / "1"
-    version.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(artifact.path, version / artifact.artifact_name)
-    if artifact.backend == "python":
-        shutil.copy2(runtime_file(), version / "model.py")
-    cfg = build_config(spec, artifact, settings, n_outputs)
+def check_artifact_name(name: str) -> None:
+    """Refuse a file name that `import` could resolve: in a version folder it could shadow the
+    runtime's model.py (a TL2cgen `model.so` did) or a library the runtime imports."""
+    stem = name.split(".", 1)[0]
+    suffix = name[len(stem):]
+    if stem.isidentifier() and suffix in importlib.machinery.all_suffixes():
+        raise ValueError(
+            f"artifact name {name!r} is importable as Python module {stem!r} and would shadow the model runtime "
+            "inside Triton's Python backend; use a name such as 'model-<format>.so'"
+        )
+
+
+def package_version(version_dir: Path, artifact: Artifact) -> dict[str, str]:
+    """Write one servable version folder: the artifact, the model runtime, and SHA256SUMS; return the digests.
+
+    Candidates are verified from exactly this folder, and the selected one is emitted as it is.
+    """
+    check_artifact_name(artifact.artifact_name)
+    version_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(artifact.path, version_dir / artifact.artifact_name)
+    for src in runtime_files():
+        shutil.copy2(src, version_dir / src.name)
+    return rt.write_manifest(str(version_dir))
+
+
+def write_config(folder: Path, cfg: mc.ModelConfig) -> mc.ModelConfig:
+    """Validate `cfg` against Triton's schema and write folder/config.pbtxt."""
     path = folder / "config.pbtxt"
     # REJECT is the enum's zero value, which protobuf's text format omits; spell it out for readers.
     text = format_config(cfg).replace("default_queue_policy {\n", "default_queue_policy {\n    timeout_action: REJECT\n", 1)
     parsed = parse_config(text, str(path))  # validated against Triton's schema before it is written
     if parsed != cfg:
         raise AssertionError(f"{path}: config text does not round-trip")
+    folder.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return parsed

@@ -27,6 +27,7 @@ class JobResult:
     status: str  # compiled | skipped (unchanged) | failed
     duration_s: float
     selected: str | None = None
+    version: int | None = None
     latency_us: dict[str, float] = field(default_factory=dict)
     folder: str | None = None
     error: str | None = None
@@ -48,14 +49,14 @@ def _spec_name(spec: Path) -> str:
     return spec.stem
 
 
-def run_one(spec: str | Path, repository: str | Path, force: bool = False) -> JobResult:
+def run_one(spec: str | Path, repository: str | Path, force: bool = False, serve_check: bool = True) -> JobResult:
     """Compile one spec in this process and describe the outcome (never raises for a model's failure)."""
     from .pipeline import compile_model
 
     spec = Path(spec)
     t0 = time.perf_counter()
     try:
-        report = compile_model(spec, repository, force=force)
+        report = compile_model(spec, repository, force=force, serve_check=serve_check)
     except ScorestackError as exc:
         return JobResult(str(spec), _spec_name(spec), "failed", round(time.perf_counter() - t0, 2), error=str(exc))
     except Exception as exc:  # noqa: BLE001 - reported with its traceback tail, the batch goes on
@@ -67,6 +68,7 @@ def run_one(spec: str | Path, repository: str | Path, force: bool = False) -> Jo
         "skipped" if report.skipped else "compiled",
         round(time.perf_counter() - t0, 2),
         selected=report.selected.format,
+        version=report.version,
         latency_us=report.selected.latency_us,
         folder=report.output.get("folder"),
     )
@@ -81,12 +83,14 @@ class _Running:
     started: float
 
 
-def _start(index: int, spec: Path, repository: Path, force: bool, tmp: Path) -> _Running:
+def _start(index: int, spec: Path, repository: Path, force: bool, serve_check: bool, tmp: Path) -> _Running:
     result_file = tmp / f"{index}-{spec.stem}.json"
     log_file = result_file.with_suffix(".log")
     cmd = [sys.executable, "-m", "scorestack.compile.jobs", "--worker", str(spec), "--repository", str(repository), "--result", str(result_file)]
     if force:
         cmd.append("--force")
+    if not serve_check:
+        cmd.append("--no-serve-check")
     with open(log_file, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return _Running(spec, proc, result_file, log_file, time.perf_counter())
@@ -112,6 +116,7 @@ def compile_many(
     force: bool = False,
     on_update: Callable[[str, JobResult | None], None] | None = None,
     timeout_s: float = 3600.0,
+    serve_check: bool = True,
 ) -> list[JobResult]:
     """Compile every spec, each in its own worker process, `jobs` at a time; results in the specs' order.
 
@@ -129,7 +134,7 @@ def compile_many(
         while order or running:
             while order and len(running) < max(1, jobs):
                 i = order.pop(0)
-                running[i] = _start(i, pending[i], repository, force, tmp)
+                running[i] = _start(i, pending[i], repository, force, serve_check, tmp)
                 if on_update:
                     on_update(str(pending[i]), None)
             time.sleep(0.05)
@@ -153,8 +158,9 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--repository", required=True)
     parser.add_argument("--result", required=True)
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--no-serve-check", action="store_true")
     args = parser.parse_args(argv)
-    result = run_one(args.worker, args.repository, force=args.force)
+    result = run_one(args.worker, args.repository, force=args.force, serve_check=not args.no_serve_check)
     tmp = Path(args.result).with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(result)))
     os.replace(tmp, args.result)

@@ -8,16 +8,19 @@ import platform
 import shutil
 import tempfile
 import time
-import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from scorestack.errors import VerificationError
+from scorestack.errors import PlatformError, VerificationError
 from scorestack.paths import default_repository
+from scorestack.serve import ensure_server_environment
+from scorestack.serve.worker import RuntimeWorker, WorkerError, project_python_worker
 
 from . import emit, measure, passes, registry, verify
+from .serve_check import check_served
 from .loaders import Holdout, SourceModel, load_holdout, load_source
-from .report import CandidateReport, CompileReport, PassReport, SelectedReport, SourceReport, render_markdown
+from .report import CandidateReport, CompileReport, PassReport, SelectedReport, ServeCheckReport, SourceReport, TritonSettings, render_markdown
 from .spec import ModelSpec, load_spec
 
 COMPILER_VERSION = "scorestack-compile 1"
@@ -52,20 +55,22 @@ def _previous(dest: Path, digest: str) -> CompileReport | None:
     return prev if prev.content_hash == digest else None
 
 
-def _swap_in(staged: Path, dest: Path) -> None:
-    """Replace `dest` by `staged` with renames only, so a reader never sees a half-written model."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if not dest.exists():
-        os.rename(staged, dest)
-        return
-    old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(dest, old)
-    try:
-        os.rename(staged, dest)
-    except OSError:
-        os.rename(old, dest)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+def versions(model_dir: Path) -> list[int]:
+    """Version folders of a model in the repository, oldest first."""
+    if not model_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _install(staged: Path, dest: Path, version: int, keep: int) -> None:
+    """Add the staged version to `dest` with renames only (a reader never sees a half-written model),
+    then drop versions beyond the newest `keep`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    os.rename(staged / str(version), dest / str(version))
+    for name in ("config.pbtxt", "report.json", "report.md"):
+        os.replace(staged / name, dest / name)
+    for old in versions(dest)[:-keep]:
+        shutil.rmtree(dest / str(old), ignore_errors=True)
 
 
 def _apply_passes(spec: ModelSpec, source: SourceModel, holdout: Holdout, threads: int) -> tuple[SourceModel, list[PassReport]]:
@@ -84,8 +89,44 @@ def _apply_passes(spec: ModelSpec, source: SourceModel, holdout: Holdout, thread
     return model, reports
 
 
-def _candidates(spec: ModelSpec, model: SourceModel, holdout: Holdout, workdir: Path) -> tuple[list[CandidateReport], dict[str, registry.Artifact]]:
-    """Convert to every registered format and verify each against `model`."""
+def _provisional_settings(spec: ModelSpec, threads: int) -> TritonSettings:
+    """Settings for the configs candidates are verified and timed with (threads is what they differ in)."""
+    return TritonSettings(
+        max_batch_size=max(spec.serving.batch_sizes),
+        max_queue_delay_us=0,
+        default_timeout_us=0,
+        max_queue_size=0,
+        instance_count=1,
+        instance_kind="KIND_CPU",
+        threads=threads,
+        rules=[],
+    )
+
+
+@dataclass
+class _Candidate:
+    artifact: registry.Artifact
+    version_dir: Path  # a complete, servable version folder (artifact, runtime, SHA256SUMS)
+    digests: dict[str, str]
+
+
+def _n_outputs(spec: ModelSpec, model: SourceModel) -> int:
+    return int(model.n_classes or 1) if spec.task == "multiclass" else 1
+
+
+def _key(fmt: str, threads: int) -> str:
+    return f"{fmt}@{threads}"
+
+
+def _load(worker: RuntimeWorker, spec: ModelSpec, model: SourceModel, cand: _Candidate, threads: int) -> float:
+    cfg = emit.build_config(spec, cand.artifact, _provisional_settings(spec, threads), _n_outputs(spec, model))
+    return worker.load(_key(cand.artifact.format, threads), spec.name, cand.version_dir, emit.config_dict(cfg))
+
+
+def _candidates(
+    spec: ModelSpec, model: SourceModel, holdout: Holdout, workdir: Path, worker: RuntimeWorker
+) -> tuple[list[CandidateReport], dict[str, _Candidate]]:
+    """Convert to every registered format, package each as a version folder, and verify it in the worker."""
     reference = model.predict(holdout.X)
     ctx = registry.ConvertContext(
         task=spec.task,
@@ -94,10 +135,9 @@ def _candidates(spec: ModelSpec, model: SourceModel, holdout: Holdout, workdir: 
         sample=holdout.X[: min(64, len(holdout))],
         compile_threads=max(1, min(os.cpu_count() or 1, 4)),
     )
-    formats = registry.formats_for(model.family)
     reports: list[CandidateReport] = []
-    artifacts: dict[str, registry.Artifact] = {}
-    for fmt in formats:
+    verified: dict[str, _Candidate] = {}
+    for fmt in registry.formats_for(model.family):
         if spec.formats is not None and fmt not in spec.formats:
             reports.append(CandidateReport(format=fmt, status="skipped", reason="not listed in the spec's `formats`"))
             continue
@@ -106,13 +146,14 @@ def _candidates(spec: ModelSpec, model: SourceModel, holdout: Holdout, workdir: 
         t0 = time.perf_counter()
         try:
             art = registry.converter_for(model.family, fmt)(model, fdir, ctx)
+            cand = _Candidate(art, fdir / "version", {})
+            cand.digests = emit.package_version(cand.version_dir, art)
         except registry.Skip as exc:
             reports.append(CandidateReport(format=fmt, status="skipped", reason=str(exc)))
             continue
         except Exception as exc:  # noqa: BLE001 - a converter's failure rejects that candidate, not the compile
             reports.append(CandidateReport(format=fmt, status="failed", reason=f"conversion failed: {type(exc).__name__}: {exc}"[:500], convert_s=time.perf_counter() - t0))
             continue
-        convert_s = time.perf_counter() - t0
         rep = CandidateReport(
             format=fmt,
             status="rejected",
@@ -120,44 +161,48 @@ def _candidates(spec: ModelSpec, model: SourceModel, holdout: Holdout, workdir: 
             backend=art.backend,
             artifact=art.artifact_name,
             artifact_bytes=art.path.stat().st_size,
-            convert_s=round(convert_s, 3),
+            convert_s=round(time.perf_counter() - t0, 3),
             notes=art.notes,
         )
+        reports.append(rep)
         try:
-            runner = art.runner(spec.threads[0], spec.output_name)
-        except registry.Skip as exc:
-            rep.status, rep.reason = "skipped", f"cannot run here: {exc}"
-            reports.append(rep)
+            rep.load_s = round(_load(worker, spec, model, cand, spec.threads[0]), 3)
+        except WorkerError as exc:
+            rep.reason = f"does not load in the server environment: {exc}"[:700]
             continue
-        except Exception as exc:  # noqa: BLE001
-            rep.reason = f"failed to load: {type(exc).__name__}: {exc}"[:500]
-            reports.append(rep)
-            continue
-        v = verify.verify(runner, reference, holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows)
+        key = _key(fmt, spec.threads[0])
+        v = verify.verify(lambda X, sizes: worker.execute(key, X, sizes), reference, holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows)
         rep.verified, rep.max_abs_diff = v.verified, v.max_abs_diff
         rep.label_agreement, rep.rank_agreement = v.label_agreement, v.rank_agreement
         rep.rows_batch1, rep.rows_large = v.rows_batch1, v.rows_large
         if v.verified:
             rep.status = "verified"
-            artifacts[fmt] = art
+            verified[fmt] = cand
         else:
             rep.reason = f"verification failed: {v.reason}"
-        reports.append(rep)
-    return reports, artifacts
+            worker.unload(key)
+    return reports, verified
 
 
-def _time_candidates(spec: ModelSpec, holdout: Holdout, reports: list[CandidateReport], artifacts: dict[str, registry.Artifact]) -> None:
-    runners = {}
-    for fmt, art in artifacts.items():
+def _time_candidates(
+    spec: ModelSpec, model: SourceModel, holdout: Holdout, reports: list[CandidateReport], candidates: dict[str, _Candidate], worker: RuntimeWorker
+) -> None:
+    """Time every verified candidate at every thread count in the worker, interleaved; drop any that fails there."""
+    keys = {}
+    for fmt, cand in candidates.items():
         for t in spec.threads:
-            runners[(fmt, t)] = art.runner(t, spec.output_name)
+            if _key(fmt, t) not in worker.loaded:
+                _load(worker, spec, model, cand, t)
+            keys[_key(fmt, t)] = (fmt, t)
     plan = measure.TimingPlan(batch_sizes=tuple(sorted(set(spec.serving.batch_sizes))))
-    table = measure.measure(runners, holdout.X, plan)
+    table = worker.measure(
+        list(keys), holdout.X, list(plan.batch_sizes), rounds=plan.rounds, cell_budget_s=plan.cell_budget_s, max_calls=plan.max_calls, min_calls=plan.min_calls
+    )
     weights = spec.serving.weights()
     for rep in reports:
-        if rep.format not in artifacts:
+        if rep.format not in candidates:
             continue
-        per_t = {t: table[(rep.format, t)] for t in spec.threads}
+        per_t = {t: table[_key(rep.format, t)] for t in spec.threads}
         best_t = min(per_t, key=lambda t: measure.weighted_latency(per_t[t], weights))
         rep.threads = best_t
         rep.latency_us = {str(b): round(v, 2) for b, v in per_t[best_t].items()}
@@ -165,12 +210,29 @@ def _time_candidates(spec: ModelSpec, holdout: Holdout, reports: list[CandidateR
         rep.weighted_latency_us = round(measure.weighted_latency(per_t[best_t], weights), 2)
 
 
-def compile_model(spec_path: str | Path, repository: str | Path | None = None, force: bool = False) -> CompileReport:
-    """Compile one spec into `<repository>/<name>/` (config.pbtxt, 1/<artifact>, report.json, report.md).
+def _worker() -> tuple[RuntimeWorker, str]:
+    """The verification worker in the server environment; this environment only where none can exist (reported)."""
+    try:
+        return RuntimeWorker(ensure_server_environment()), "the server environment"
+    except PlatformError as exc:
+        return project_python_worker(), f"the project environment (no local server environment here: {exc})"
 
-    An unchanged spec + source + held-out rows is not recompiled unless `force`; the previous report
-    is returned with `skipped=True`. Raises SpecError for an invalid spec or unloadable source and
-    VerificationError when no candidate reproduces the model.
+
+def compile_model(
+    spec_path: str | Path,
+    repository: str | Path | None = None,
+    force: bool = False,
+    serve_check: bool = True,
+) -> CompileReport:
+    """Compile one spec into a new version of `<repository>/<name>/` (config.pbtxt, <version>/, report.json, report.md).
+
+    Every candidate is loaded, verified and timed in the server environment through the model
+    runtime; the selected one is then loaded in the real local Triton and queried over gRPC
+    (`serve_check`) before it is added to the repository, so a model that does not serve never
+    replaces one that does. An unchanged spec + source + held-out rows is not recompiled unless
+    `force`; the previous report is returned with `skipped=True`. Raises SpecError for an invalid
+    spec or unloadable source and VerificationError when no candidate reproduces the model or the
+    serving check fails.
     """
     started = time.perf_counter()
     spec_path = Path(spec_path).resolve()
@@ -192,29 +254,34 @@ def compile_model(spec_path: str | Path, repository: str | Path | None = None, f
     staging_root = repository.parent / f".{repository.name}.staging"
     staging_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=staging_root))
+    worker, where = _worker()
     try:
-        reports, artifacts = _candidates(spec, model, holdout, staging / "candidates")
-        if not artifacts:
-            why = "; ".join(f"{r.format}: {r.reason}" for r in reports)
-            raise VerificationError(f"model {spec.name}: no candidate reproduces the model ({why})")
-        _time_candidates(spec, holdout, reports, artifacts)
+        with worker:
+            reports, candidates = _candidates(spec, model, holdout, staging / "candidates", worker)
+            if not candidates:
+                why = "; ".join(f"{r.format}: {r.reason}" for r in reports)
+                raise VerificationError(f"model {spec.name}: no candidate reproduces the model ({why})")
+            _time_candidates(spec, model, holdout, reports, candidates, worker)
+            verified_in = dict(worker.info, kind=where)
         weights = spec.serving.weights()
-        best = min((r for r in reports if r.format in artifacts), key=lambda r: r.weighted_latency_us or float("inf"))
+        best = min((r for r in reports if r.format in candidates), key=lambda r: r.weighted_latency_us or float("inf"))
         best.status = "selected"
-        art = artifacts[best.format]
+        chosen = candidates[best.format]
+        art = chosen.artifact
         cpus = os.cpu_count() or 1
         lat = {int(b): v for b, v in best.latency_us.items()}
         settings = emit.derive_settings(spec, lat, best.threads or 1, cpus, gpu=art.backend == "tensorrt")
-        n_outputs = model.n_classes if spec.task == "multiclass" else 1
-        folder = staging / spec.name
-        cfg = emit.write_model_folder(folder, spec, art, settings, int(n_outputs or 1))
+        version = max(versions(dest), default=0) + 1
+        folder = staging / "repository" / spec.name
+        shutil.copytree(chosen.version_dir, folder / str(version), symlinks=False)
+        cfg = emit.write_config(folder, emit.build_config(spec, art, settings, _n_outputs(spec, model)))
         report = CompileReport(
             name=spec.name,
             spec=str(spec_path),
             content_hash=digest,
             compiler_version=COMPILER_VERSION,
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            duration_s=round(time.perf_counter() - started, 2),
+            duration_s=0.0,
             machine={"cpus": cpus, "platform": platform.platform(), "python": platform.python_version()},
             source=SourceReport(
                 path=str(spec.source.path),
@@ -248,15 +315,29 @@ def compile_model(spec_path: str | Path, repository: str | Path | None = None, f
             output={
                 "folder": str(dest),
                 "config": str(dest / "config.pbtxt"),
-                "artifact": str(dest / "1" / art.artifact_name),
+                "artifact": str(dest / str(version) / art.artifact_name),
                 "backend": cfg.backend,
                 "input": {"name": cfg.input[0].name, "dims": list(cfg.input[0].dims)},
                 "output": {"name": cfg.output[0].name, "dims": list(cfg.output[0].dims)},
             },
+            version=version,
+            artifact_sha256={f"{version}/{name}": d for name, d in chosen.digests.items()},
+            verified_in=verified_in,
         )
+        if serve_check:
+            report.serve_check = check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance)
+            if report.serve_check.status != "passed":
+                previous = f"version {max(versions(dest))} stays in place" if versions(dest) else "nothing was written"
+                raise VerificationError(
+                    f"model {spec.name}: the {best.format} artifact verified in the server environment but failed the serving check "
+                    f"in the local Triton: {report.serve_check.reason}; {previous}"
+                )
+        else:
+            report.serve_check = ServeCheckReport(status="skipped", reason="--no-serve-check")
+        report.duration_s = round(time.perf_counter() - started, 2)
         (folder / "report.json").write_text(report.model_dump_json(indent=2))
         (folder / "report.md").write_text(render_markdown(report))
-        _swap_in(folder, dest)
+        _install(folder, dest, version, spec.serving.keep_versions)
         return report
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -264,4 +345,3 @@ def compile_model(spec_path: str | Path, repository: str | Path | None = None, f
             staging_root.rmdir()
         except OSError:
             pass
-

@@ -13,8 +13,6 @@ from typing import Callable
 
 import numpy as np
 
-from . import runtimes
-
 
 class Skip(Exception):
     """A converter does not apply here (library not installed, wrong target); the message says why."""
@@ -33,10 +31,10 @@ class ConvertContext:
 
 @dataclass
 class Artifact:
-    """One converted model on disk, and how to run it (in this process and inside Triton)."""
+    """One converted model on disk and how the model runtime runs it (serve/runtime/scorestack_runtime.py)."""
 
     format: str  # onnx | native | tl2cgen | hummingbird | tensorrt
-    runtime: str  # scorestack_runtime: onnxruntime | xgboost | sklearn | tl2cgen | tensorrt
+    runtime: str  # a key of the runtime's RUNNERS table: onnxruntime | xgboost | sklearn | tl2cgen | tensorrt
     backend: str  # Triton backend: onnxruntime | python | tensorrt
     artifact_name: str  # file name inside the version folder
     path: Path  # where the artifact lies now
@@ -44,21 +42,6 @@ class Artifact:
     output_column: int | None = None
     method: str | None = None  # sklearn native: predict_proba | predict
     notes: list[str] = field(default_factory=list)
-
-    def runner(self, threads: int, output_name: str) -> runtimes.Runner:
-        if self.runtime == "onnxruntime":
-            return runtimes.onnx_runner(self.path, threads, output_name)
-        if self.runtime == "xgboost":
-            return runtimes.xgboost_runner(self.path, threads, self.output_column)
-        if self.runtime == "sklearn":
-            return runtimes.sklearn_runner(self.path, threads, self.method or "predict", self.output_column)
-        if self.runtime == "tl2cgen":
-            return runtimes.tl2cgen_runner(self.path, threads, self.output_column)
-        if self.runtime == "tensorrt":
-            from .convert_tensorrt import tensorrt_runner
-
-            return tensorrt_runner(self.path, output_name)
-        raise Skip(f"no in-process runner for runtime {self.runtime!r} on this machine")
 
 
 Converter = Callable[["object", Path, ConvertContext], Artifact]

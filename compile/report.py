@@ -21,6 +21,7 @@ class CandidateReport(_Model):
     artifact: str | None = None
     artifact_bytes: int | None = None
     convert_s: float | None = None
+    load_s: float | None = None  # loading in the server environment, through the model runtime
     max_abs_diff: float | None = None
     label_agreement: float | None = None
     rank_agreement: float | None = None
@@ -70,6 +71,15 @@ class SelectedReport(_Model):
     method: str | None = None
 
 
+class ServeCheckReport(_Model):
+    """The emitted model loaded in the real local Triton and queried over gRPC before it replaced anything."""
+
+    status: str  # passed | failed | skipped
+    rows: int = 0
+    max_abs_diff: float | None = None
+    reason: str | None = None
+
+
 class SourceReport(_Model):
     path: str
     format: str
@@ -101,6 +111,25 @@ class CompileReport(_Model):
     selected: SelectedReport
     triton: TritonSettings
     output: dict[str, Any]
+    version: int = 1  # the version folder this compile wrote
+    artifact_sha256: dict[str, str] = Field(default_factory=dict)  # "<version>/<file>" -> sha256 (also in SHA256SUMS)
+    verified_in: dict[str, Any] = Field(default_factory=dict)  # the environment candidates were loaded, verified and timed in
+    serve_check: ServeCheckReport | None = None
+
+
+def _env_line(env: dict[str, Any]) -> str:
+    if not env:
+        return "an unrecorded environment"
+    libs = ", ".join(f"{k} {v}" for k, v in (env.get("libraries") or {}).items())
+    return f"{env.get('kind', 'the server environment')} (`{env.get('python')}`, numpy {env.get('numpy')}; {libs})"
+
+
+def _serve_check_line(c: ServeCheckReport | None) -> str:
+    if c is None or c.status == "skipped":
+        return "skipped" + (f" ({c.reason})" if c is not None and c.reason else "")
+    if c.status == "passed":
+        return f"passed: {c.rows} held-out rows over gRPC through the local Triton, max |Δ| {c.max_abs_diff:.2e}"
+    return f"FAILED: {c.reason}"
 
 
 def render_markdown(r: CompileReport) -> str:
@@ -112,7 +141,10 @@ def render_markdown(r: CompileReport) -> str:
         f"- task: {r.source.task}, {r.source.n_features} features; served model: {r.source.final_model}",
         f"- selected: **{r.selected.format}** (runtime `{r.selected.runtime}`, backend `{r.selected.backend}`, "
         f"artifact `1/{r.selected.artifact}`, {r.selected.threads} thread(s)); weighted latency {r.selected.weighted_latency_us:.1f} µs",
-        f"- verification: {r.holdout_rows} held-out rows at one large batch and a sample at batch 1; tolerance |Δ| ≤ {r.tolerance:g}",
+        f"- version: {r.version} (`{r.version}/`, digests in `{r.version}/SHA256SUMS`)",
+        f"- verification: {r.holdout_rows} held-out rows as one joined batch of mixed-size requests and a sample at batch 1, "
+        f"through the model runtime in {_env_line(r.verified_in)}; tolerance |Δ| ≤ {r.tolerance:g}",
+        f"- serving check: {_serve_check_line(r.serve_check)}",
         f"- machine: {r.machine.get('cpus')} CPUs, {r.machine.get('platform')}",
         f"- content hash: `{r.content_hash[:16]}…`; compiled in {r.duration_s:.1f} s",
         "",

@@ -53,6 +53,9 @@ class ServingSpec(_Strict):
     # Binary models: the probability at or above which the service decides "positive" (e.g. hold
     # the payment). Written into config.pbtxt so every client reads the same value from Triton.
     decision_threshold: float | None = Field(None, ge=0.0, le=1.0)
+    # Versions kept in the repository and served side by side (Triton's version policy `latest`):
+    # a recompile adds a version, the oldest beyond this count is removed.
+    keep_versions: PositiveInt = 2
 
     @field_validator("batch_weights")
     @classmethod
@@ -161,6 +164,7 @@ _FIXES = {
     "serving.batch_sizes": "list the batch sizes you expect, such as [1, 64]",
     "serving.batch_weights": "give one positive weight per batch size, or omit it",
     "serving.decision_threshold": "give a probability in [0, 1] (binary models only), or omit it for 0.5",
+    "serving.keep_versions": "give how many model versions to keep and serve, such as 2",
     "threads": "give a thread count such as 1, or a list such as [1, 2]",
     "holdout": "give a .npz file with arrays X and y (and group for ranking)",
     "formats": "use some of onnx, native, tl2cgen, hummingbird, tensorrt",

@@ -1,13 +1,22 @@
-"""Verification: a candidate must reproduce its source on held-out rows, one row at a time and in one big batch."""
+"""Verification: a candidate must reproduce its source on held-out rows, one row at a time and in one big batch.
+
+The candidate runs through `execute(X, sizes)`: the model runtime's join/run/split path in the
+server environment (a RuntimeWorker), with X split into requests of the given sizes.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from .loaders import Holdout
-from .runtimes import Runner
+
+# X, request sizes -> (outputs [n, k], {request index: error})
+Execute = Callable[[np.ndarray, list[int]], tuple[np.ndarray, dict[int, str]]]
+# Request sizes the large batch is cut into, cycled: the batcher joins requests of mixed sizes.
+_MIXED_SIZES = (1, 7, 64, 2, 31, 128, 3, 16)
 
 
 @dataclass(frozen=True)
@@ -58,15 +67,36 @@ def rank_agreement(ref: np.ndarray, out: np.ndarray, groups: np.ndarray, tol: fl
     return 1.0 if total == 0 else kept / total
 
 
-def verify(runner: Runner, reference: np.ndarray, holdout: Holdout, task: str, tolerance: float, sample_rows: int) -> Verification:
-    """Run the candidate at batch 1 on a sample and at one large batch on every row; compare with `reference`."""
+def mixed_sizes(n: int) -> list[int]:
+    """Request sizes summing to n, cycling through small and large ones."""
+    sizes: list[int] = []
+    i = 0
+    while n > 0:
+        s = min(_MIXED_SIZES[i % len(_MIXED_SIZES)], n)
+        sizes.append(s)
+        n -= s
+        i += 1
+    return sizes
+
+
+def verify(execute: Execute, reference: np.ndarray, holdout: Holdout, task: str, tolerance: float, sample_rows: int) -> Verification:
+    """Run the candidate one row per call on a sample, and on every row as one joined batch of mixed-size requests; compare with `reference`."""
     X = holdout.X
     idx = sample_indices(len(X), sample_rows)
     try:
-        one = np.concatenate([np.asarray(runner(X[i : i + 1])).reshape(1, -1) for i in idx])
-        big = np.asarray(runner(X))
-    except Exception as exc:  # noqa: BLE001 - a crash at run time is a verification failure, with its reason
-        return Verification(False, None, None, None, 0, 0, f"failed to run: {type(exc).__name__}: {exc}")
+        ones = []
+        for i in idx:
+            out, errors = execute(X[i : i + 1], [1])
+            if errors:
+                raise RuntimeError(f"row {int(i)} at batch 1: {errors[0]}")
+            ones.append(out.reshape(1, -1))
+        one = np.concatenate(ones)
+        big, errors = execute(X, mixed_sizes(len(X)))
+        if errors:
+            k, msg = next(iter(errors.items()))
+            raise RuntimeError(f"{len(errors)} of the joined requests failed, e.g. request {k}: {msg}")
+    except Exception as exc:  # noqa: BLE001 - a failure at run time is a verification failure, with its reason
+        return Verification(False, None, None, None, 0, 0, f"failed to run: {exc}")
     ref = reference.reshape(len(X), -1)
     for label, out, want in (("batch 1", one, ref[idx]), (f"batch {len(X)}", big, ref)):
         if out.shape != want.shape:

@@ -2,7 +2,7 @@
 
 from scorestack.serve.environment import ServerEnvironment, check_platform, ensure_server_environment
 from scorestack.serve.server import LocalTriton
-from scorestack.serve.view import build_local_view, runtime_source
+from scorestack.serve.view import build_local_view, runtime_files, runtime_source
 
 __all__ = [
     "LocalTriton",
@@ -10,5 +10,6 @@ __all__ = [
     "build_local_view",
     "check_platform",
     "ensure_server_environment",
+    "runtime_files",
     "runtime_source",
 ]

@@ -22,8 +22,15 @@ def serve(
     metrics_port: Optional[int] = typer.Option(None, help="Prometheus metrics port (default: a free port)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind."),
     ready_timeout_s: float = typer.Option(120.0, help="Seconds to wait for readiness."),
+    strict: bool = typer.Option(False, "--strict", help="Exit if any model fails to load (default: serve the models that load, report the others)."),
+    watch_s: float = typer.Option(1.0, "--watch-s", help="Seconds between looks at the repository for new versions to load (0: never)."),
 ) -> None:
-    """Run a real Triton Inference Server on this machine until Ctrl-C."""
+    """Run a real Triton Inference Server on this machine until Ctrl-C.
+
+    Models that fail to load are reported with Triton's reason while the others serve; the command
+    fails only if no model loads (or any, with --strict). A new version written into the repository
+    (`scorestack compile`) is loaded while serving.
+    """
     from rich.console import Console
 
     from scorestack import paths
@@ -32,17 +39,28 @@ def serve(
 
     console = Console()
     repository = repository or paths.default_repository()
-    server = LocalTriton(repository, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port, host=host, ready_timeout_s=ready_timeout_s)
+    server = LocalTriton(
+        repository,
+        grpc_port=grpc_port,
+        http_port=http_port,
+        metrics_port=metrics_port,
+        host=host,
+        ready_timeout_s=ready_timeout_s,
+        strict=strict,
+        watch_interval_s=watch_s or None,
+    )
     try:
         with console.status("starting tritonserver (first run creates the server environment: a few minutes)"):
             server.start()
     except ScorestackError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1)
-    assert server.view is not None
-    console.print(f"[green]Triton ready[/green] serving {', '.join(server.view.models) or 'no models'} from {repository}")
-    for name, reason in server.view.skipped.items():
-        console.print(f"[yellow]not served:[/yellow] {name}: {reason}")
+    console.print(f"[green]Triton ready[/green] serving {', '.join(server.ready_models()) or 'no models'} from {repository}")
+    for name, status in sorted(server.model_status.items()):
+        if status.ready:
+            console.print(f"  [green]ready[/green]     {name} (versions {', '.join(status.versions)})", soft_wrap=True)
+        else:
+            console.print(f"  [red]not ready[/red] {name}: {status.reason}", soft_wrap=True)
     console.print(f"  gRPC    {server.grpc_url}\n  HTTP    {server.http_url}\n  metrics {server.metrics_url}\n  log     {server.log_path}")
     console.print("Ctrl-C to stop.")
     stop = False

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import glob
+import json
 import logging
 import os
 import shutil
@@ -10,20 +12,99 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-from scorestack.errors import ServerError
+from scorestack.errors import ConfigError, ServerError
 from scorestack.serve.environment import ServerEnvironment, ensure_server_environment
-from scorestack.serve.view import LocalView, build_local_view
+from scorestack.serve.view import LocalView, build_local_view, render_model
 
 log = logging.getLogger(__name__)
 
 DEFAULT_READY_TIMEOUT_S = 120.0
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+# Every tritonserver we start (and its Python-backend stubs, which inherit the environment) carries
+# this variable naming its supervisor, so a later start can find and stop the orphans of one that died.
+SUPERVISOR_ENV = "SCORESTACK_SUPERVISOR"
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """Whether one model of the repository is being served, and if not, why."""
+
+    name: str
+    ready: bool
+    versions: tuple[str, ...] = ()
+    reason: str = ""
+
+
+def _process_start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _supervisor_tag(pid: int) -> str:
+    return f"{pid}:{_process_start_time(pid)}"
+
+
+def _supervisor_alive(tag: str) -> bool:
+    pid, _, start = tag.partition(":")
+    return pid.isdigit() and _process_start_time(int(pid)) == start
+
+
+def clean_leftovers() -> list[int]:
+    """Stop tritonservers and stubs whose supervising scorestack process is gone, and remove their
+    shared-memory regions. Returns the pids stopped."""
+    killed = []
+    me = os.getuid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != me:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+        except OSError:
+            continue
+        tag = next((v.split(b"=", 1)[1].decode() for v in env if v.startswith(SUPERVISOR_ENV.encode() + b"=")), None)
+        if tag and not _supervisor_alive(tag):
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+            except OSError:
+                pass
+    for path in glob.glob("/dev/shm/scorestack_*_*"):
+        owner = Path(path).name.split("_")[1]
+        if owner.isdigit() and _process_start_time(int(owner)) is None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if killed:
+        log.warning("stopped %d leftover Triton processes of a scorestack run that died: %s", len(killed), killed)
+    return killed
+
+
+def _die_with_parent(parent: int):  # noqa: ANN202 - a preexec_fn
+    """In the child before exec: SIGKILL when the parent dies (Linux parent-death signal)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+    def setup() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return setup
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,8 +120,15 @@ class LocalTriton:
     ...     client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
 
     Binds 127.0.0.1, picks free ports unless given, uses a per-run shared-memory prefix, waits
-    for readiness within `ready_timeout_s` (raising with the log tail if it fails), and stops with
-    SIGTERM, removing its shared-memory files and run directory.
+    for readiness within `ready_timeout_s`, and stops with SIGTERM, removing its shared-memory files
+    and run directory.
+
+    A model that fails to load does not stop the others: it is reported in `model_status` with
+    Triton's reason, and start() raises only if no model loads (`strict=True`: if any fails).
+    tritonserver dies with the process that started it (parent-death signal; started from the main
+    thread), and orphans of a supervisor that was killed are stopped at the next start.
+    With `watch_interval_s`, changes in the repository (a new version, a new model) are rendered
+    and loaded while serving (`sync()`), which is how a recompiled model is hot-swapped.
     """
 
     def __init__(
@@ -57,6 +145,8 @@ class LocalTriton:
         run_dir: str | os.PathLike[str] | None = None,
         server_env: ServerEnvironment | None = None,
         log_verbose: int = 0,
+        strict: bool = False,
+        watch_interval_s: float | None = None,
     ) -> None:
         self.repository = Path(repository).resolve()
         self.host = host
@@ -70,9 +160,16 @@ class LocalTriton:
         self._env = server_env
         self.log_verbose = log_verbose
         self.shm_prefix = f"scorestack_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        self.strict = strict
+        self.watch_interval_s = watch_interval_s
         self.process: subprocess.Popen[bytes] | None = None
         self.view: LocalView | None = None
+        self.model_status: dict[str, ModelStatus] = {}
         self._log_file = None
+        self._fingerprints: dict[str, tuple] = {}
+        self._watcher: threading.Thread | None = None
+        self._stop_watching = threading.Event()
+        self._sync_lock = threading.Lock()
 
     # -- addresses ---------------------------------------------------------------------------
     @property
@@ -101,10 +198,12 @@ class LocalTriton:
 
     def start(self) -> "LocalTriton":
         env = self._env or ensure_server_environment()
+        clean_leftovers()
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="scorestack-triton-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.view = build_local_view(self.repository, self.run_dir / "models")
+        self.view = build_local_view(self.repository, self.run_dir / "models", strict=self.strict)
+        self._fingerprints = {name: self._fingerprint(name) for name in self.view.models}
         for name, reason in self.view.skipped.items():
             log.warning("model %s not served locally: %s", name, reason)
         backends = self._assemble_backends(env)
@@ -117,6 +216,11 @@ class LocalTriton:
             self._launch(env, backends)
             try:
                 self.wait_ready(self.ready_timeout_s)
+                self._check_models()
+                if self.watch_interval_s:
+                    self._stop_watching.clear()
+                    self._watcher = threading.Thread(target=self._watch, name="scorestack-repository-watch", daemon=True)
+                    self._watcher.start()
                 return self
             except ServerError:
                 collided = "address already in use" in self.log_tail().lower()
@@ -127,6 +231,10 @@ class LocalTriton:
                 log.warning("port collision, retrying with new ports")
 
     def stop(self, timeout_s: float = 20.0) -> None:
+        self._stop_watching.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(10)
+        self._watcher = None
         self._terminate(timeout_s)
         self._cleanup()
 
@@ -157,6 +265,136 @@ class LocalTriton:
             f"{self.failure_reason()}\n"
             f"--- log tail ---\n{self.log_tail()}"
         )
+
+    # -- models ------------------------------------------------------------------------------
+    def _http(self, method: str, path: str, body: dict | None = None, timeout_s: float = 10.0) -> tuple[int, object]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                raw = r.read()
+                return r.status, json.loads(raw) if raw else None
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                return exc.code, json.loads(raw)
+            except ValueError:
+                return exc.code, {"error": raw.decode(errors="replace")}
+
+    def repository_index(self) -> dict[str, ModelStatus]:
+        """Every model Triton knows of, with its state and Triton's reason when it is not ready."""
+        _, entries = self._http("POST", "/v2/repository/index", {})
+        out: dict[str, dict] = {}
+        for e in entries or []:
+            d = out.setdefault(e["name"], {"versions": [], "reasons": [], "ready": False})
+            if e.get("state") == "READY":
+                d["ready"] = True
+                d["versions"].append(str(e.get("version", "")))
+            elif e.get("reason"):
+                d["reasons"].append(_first_line(e["reason"]))
+        return {
+            name: ModelStatus(name, d["ready"], tuple(sorted(d["versions"], key=lambda v: int(v) if v.isdigit() else 0)), "; ".join(dict.fromkeys(d["reasons"])))
+            for name, d in out.items()
+        }
+
+    def _check_models(self) -> None:
+        """Record each model's readiness; raise if none of the requested models loaded (strict: if any failed)."""
+        assert self.view is not None
+        index = self.repository_index()
+        wanted = self.models if self.models is not None else list(self.view.models)
+        status = {n: index.get(n) or ModelStatus(n, False, reason=self._log_reason(n) or "not loaded") for n in wanted}
+        for n, st in list(status.items()):
+            if not st.ready and not st.reason:
+                status[n] = ModelStatus(n, False, reason=self._log_reason(n) or "not loaded")
+        for name, reason in self.view.skipped.items():
+            if self.models is None or name in self.models:
+                status[name] = ModelStatus(name, False, reason=f"not served locally: {reason}")
+        self.model_status = status
+        failed = {n: st.reason for n, st in status.items() if not st.ready}
+        for name, reason in failed.items():
+            log.warning("model %s is not served: %s", name, reason)
+        if failed and (self.strict or len(failed) == len(status)):
+            what = "some models failed to load (strict)" if self.strict and len(failed) < len(status) else "no model could be loaded"
+            raise ServerError(
+                f"{what} from {self.repository}: " + "; ".join(f"{n}: {r}" for n, r in failed.items())
+                + f"\n{self.failure_reason()}\n--- log tail ---\n{self.log_tail()}"
+            )
+
+    def _log_reason(self, name: str) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except (OSError, AssertionError):
+            return ""
+        hits = [ln.strip() for ln in lines if f"model '{name}'" in ln and ("failed" in ln or ln.startswith("E"))]
+        return _first_line(hits[-1]) if hits else ""
+
+    def ready_models(self) -> list[str]:
+        return sorted(n for n, st in self.model_status.items() if st.ready)
+
+    def reload(self, name: str, timeout_s: float = 120.0) -> ModelStatus:
+        """Re-render `name` from the repository and ask Triton to load it (explicit model control).
+
+        Triton loads the new versions while the old ones keep serving, then retires versions the
+        version policy no longer lists once their requests are done. Returns the model's status;
+        a failed load leaves whatever was serving in place and reports Triton's reason.
+        """
+        assert self.view is not None and self.run_dir is not None
+        with self._sync_lock:
+            try:
+                reason = render_model(self.repository / name, self.view.root)
+            except ConfigError as exc:
+                reason = str(exc)
+            if reason is not None:
+                st = ModelStatus(name, False, reason=f"not served locally: {reason}")
+            else:
+                code, body = self._http("POST", f"/v2/repository/models/{name}/load", {}, timeout_s=timeout_s)
+                current = self.repository_index().get(name)
+                if code == 200 and current is not None and current.ready:
+                    st = current
+                else:
+                    err = body.get("error") if isinstance(body, dict) else str(body)
+                    st = ModelStatus(name, bool(current and current.ready), current.versions if current else (), _first_line(err or "load failed"))
+            self._fingerprints[name] = self._fingerprint(name)
+            self.model_status[name] = st
+            return st
+
+    def sync(self) -> dict[str, ModelStatus]:
+        """Load what changed in the repository since the last look (a new version, a new or edited model)."""
+        changed = {}
+        for model_dir in sorted(p for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            name = model_dir.name
+            if self.models is not None and name not in self.models:
+                continue
+            fp = self._fingerprint(name)
+            if fp != self._fingerprints.get(name) and fp[0] is not None:
+                st = self.reload(name)
+                changed[name] = st
+                log.warning("model %s reloaded from %s: %s", name, self.repository, "ready, versions " + ",".join(st.versions) if st.ready else st.reason)
+        return changed
+
+    def _fingerprint(self, name: str) -> tuple:
+        model_dir = self.repository / name
+        try:
+            config = (model_dir / "config.pbtxt").stat().st_mtime_ns
+        except OSError:
+            return (None,)
+        versions = []
+        for p in model_dir.iterdir():
+            if p.is_dir() and p.name.isdigit():
+                try:
+                    versions.append((p.name, (p / "SHA256SUMS").stat().st_mtime_ns if (p / "SHA256SUMS").exists() else p.stat().st_mtime_ns))
+                except OSError:
+                    pass
+        return (config, tuple(sorted(versions)))
+
+    def _watch(self) -> None:
+        while not self._stop_watching.wait(self.watch_interval_s or 1.0):
+            if not self.is_running():
+                return
+            try:
+                self.sync()
+            except Exception:  # noqa: BLE001 - a failed look is logged and retried at the next tick
+                log.exception("repository sync failed")
 
     def failure_reason(self) -> str:
         """The server's own error lines (failed loads first), condensed to one paragraph."""
@@ -216,23 +454,31 @@ class LocalTriton:
             f"--metrics-port={self.metrics_port}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             f"--cache-config=local,size={self.cache_bytes}",
-            "--exit-on-error=true",
-            "--strict-readiness=true",
+            # A model that fails to load is reported per model (_check_models) instead of taking the
+            # healthy ones down, unless strict.
+            f"--exit-on-error={'true' if self.strict else 'false'}",
+            f"--strict-readiness={'true' if self.strict else 'false'}",
             f"--log-verbose={self.log_verbose}",
         ]
         names = self.models if self.models is not None else list(self.view.models)
-        unknown = sorted(set(names) - set(self.view.models))
+        known = set(self.view.models) | set(self.view.skipped)
+        unknown = sorted(set(names) - known)
         if unknown:
-            raise ServerError(f"models {unknown} are not in {self.repository} (has {sorted(self.view.models)})")
-        args += [f"--load-model={n}" for n in names]
+            raise ServerError(f"models {unknown} are not in {self.repository} (has {sorted(known)})")
+        args += [f"--load-model={n}" for n in names if n in self.view.models]
         self._log_file = open(self.log_path, "ab")
+        launch_env = env.launch_env()
+        launch_env[SUPERVISOR_ENV] = _supervisor_tag(os.getpid())
+        # The parent-death signal fires when the forking *thread* exits: only tie it from the main thread.
+        main = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(
             args,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
-            env=env.launch_env(),
+            env=launch_env,
             cwd=self.run_dir,
             start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it cleanly
+            preexec_fn=_die_with_parent(os.getpid()) if main else None,
         )
 
     def _terminate(self, timeout_s: float = 20.0) -> None:
@@ -258,3 +504,7 @@ class LocalTriton:
             keep = os.environ.get("SCORESTACK_KEEP_RUN_DIR")
             if not keep:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _first_line(text: str) -> str:
+    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")[:600]

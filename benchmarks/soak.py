@@ -1,0 +1,580 @@
+"""Soak: fraud requests at 70% of the measured maximum throughput for minutes, watching errors, tails and memory.
+
+The real request path end to end: `FraudService.score` with features read from Redis through the
+`FeatureFetcher`, inference on the local Triton serving the demo models. Three phases:
+
+1. warm-up (metadata, channel, feature cache), then the **maximum throughput**: a closed loop at a
+   fixed concurrency (default 16) for ~15 s, requests/s = answered / elapsed;
+2. an **open loop** at `utilization` (default 0.7) of that rate: request i is due at t0 + i/rate
+   and runs as its own asyncio task whatever the previous ones are doing, so a slow server cannot
+   slow the offered load down (a closed loop would hide exactly that). Latency is measured from the
+   due time, not from the actual start, for the same reason. In-flight requests are capped (memory
+   cannot run away); a request started more than `late_after_ms` after its due time counts as
+   `late`, and one still not started when the run ends counts as `unsent`: neither is hidden;
+3. every `window_s` (default 60 s): requests sent, answered, errors by exception class (an
+   OverloadedError is an error too), degraded feature results (answered, with defaults),
+   p50/p99/max latency of the requests answered in the window, and resident memory (VmRSS) of
+   tritonserver, of its child processes (the Python backend stubs, summed) and of this process.
+
+Verdict (printed as PASS/FAIL; the exit code is 0 unless `--check`): no errors; tritonserver+stubs
+and client memory grew < 5% from the end of the second window (minute 2 at the default window)
+to the end; every window's p99 is <= 1.5x the first window's.
+
+    .venv/bin/python benchmarks/soak.py                 # 10 minutes, 60 s windows -> results/soak.{json,md}
+    .venv/bin/python benchmarks/soak.py --seconds 60    # short mode, 10 s windows -> results/soak_short.{json,md}
+
+Set-up as in bench_request_path.py: the demo models are trained and compiled into the workspace
+when absent, the Feast features applied and materialized into Redis (REDIS_URL, default
+redis://127.0.0.1:6379/0), and the local Triton started on free ports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from scorestack import demo_data
+from scorestack.client.fraud import FraudScore, FraudService
+from scorestack.client.triton import TritonClient
+from scorestack.features.fetch import FeatureFetcher
+from scorestack.serve import LocalTriton
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Verdict thresholds (the brief of the soak): printed, and enforced only with --check.
+MAX_ERRORS = 0
+MAX_MEMORY_GROWTH_PCT = 5.0
+MAX_P99_RATIO = 1.5
+
+Send = Callable[[], Awaitable[FraudScore]]
+
+
+# --- resident memory, read from /proc (the local Triton runs on Linux only) ------------------------
+
+
+def rss_mib(pid: int) -> float | None:
+    """VmRSS of `pid` in MiB, or None if the process is gone (or is a zombie, which has no VmRSS)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0  # the kernel reports kB
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return None
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root` (children, grandchildren...), from the ppid field of /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # exited while we were scanning
+            continue
+        # comm (field 2) is in parentheses and may itself contain spaces or ')': split after the last ')'.
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(children.get(pid, []))
+    return sorted(found)
+
+
+def memory_sample(server_pid: int) -> dict[str, Any]:
+    """RSS of tritonserver, its descendants (the Python backend stubs) summed, and this process."""
+    stubs = [(pid, rss_mib(pid)) for pid in descendants(server_pid)]
+    stubs = [(pid, rss) for pid, rss in stubs if rss is not None]
+    server = rss_mib(server_pid) or 0.0
+    stubs_total = sum(rss for _, rss in stubs)
+    return {
+        "tritonserver_mib": round(server, 1),
+        "stubs_mib": round(stubs_total, 1),
+        "n_stubs": len(stubs),
+        "server_total_mib": round(server + stubs_total, 1),
+        "client_mib": round(rss_mib(os.getpid()) or 0.0, 1),
+        "stubs": [{"pid": pid, "name": _process_name(pid), "rss_mib": round(rss, 1)} for pid, rss in stubs],
+    }
+
+
+# --- the two load shapes --------------------------------------------------------------------------
+
+
+async def closed_loop(send: Send, concurrency: int, seconds: float) -> dict[str, Any]:
+    """`concurrency` workers each sending back to back for `seconds`: the maximum sustainable rate."""
+    ok = 0
+    errors: Counter[str] = Counter()
+    stop = time.monotonic() + seconds
+
+    async def worker() -> None:
+        nonlocal ok
+        while time.monotonic() < stop:
+            try:
+                await send()
+                ok += 1
+            except Exception as exc:  # noqa: BLE001 - counted by class, the point of the measurement
+                errors[type(exc).__name__] += 1
+
+    start = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.monotonic() - start
+    return {"concurrency": concurrency, "seconds": round(elapsed, 2), "ok": ok, "errors": dict(errors), "rps": ok / elapsed}
+
+
+class Window:
+    """Counters and latencies of the current window, reused from window to window.
+
+    Latencies go into one preallocated float64 buffer reset at each window: the harness must not
+    grow the client's memory itself (a list of Python floats would, by ~32 bytes a request), or
+    the client's memory verdict would measure the harness.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.latencies_ms = np.empty(max(capacity, 1024), dtype=np.float64)
+        self.reset()
+
+    def reset(self) -> None:
+        self.n = 0
+        self.sent = self.ok = self.degraded = self.late = 0
+        self.lag_max_ms = 0.0
+        self.errors: Counter[str] = Counter()
+
+    def add_latency(self, ms: float) -> None:
+        if self.n == len(self.latencies_ms):  # more completions than planned (a burst): grow once
+            self.latencies_ms = np.concatenate([self.latencies_ms, np.empty_like(self.latencies_ms)])
+        self.latencies_ms[self.n] = ms
+        self.n += 1
+
+    def close(self, index: int, start_s: float, end_s: float) -> dict[str, Any]:
+        lat = self.latencies_ms[: self.n]
+        p50, p99, mx = (float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), float(lat.max())) if self.n else (None, None, None)
+        row = {
+            "window": index,
+            "start_s": round(start_s, 2),
+            "end_s": round(end_s, 2),
+            "sent": self.sent,
+            "ok": self.ok,
+            "errors": dict(self.errors),
+            "degraded": self.degraded,
+            "late": self.late,
+            "lag_max_ms": round(self.lag_max_ms, 2),
+            "ok_rps": round(self.ok / (end_s - start_s), 1) if end_s > start_s else None,
+            "p50_ms": p50,
+            "p99_ms": p99,
+            "max_ms": mx,
+        }
+        self.reset()
+        return row
+
+
+async def open_loop(
+    send: Send,
+    *,
+    rate: float,
+    duration_s: float,
+    window_s: float,
+    max_inflight: int,
+    late_after_ms: float,
+    server_pid: int,
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Send at `rate` for `duration_s` on a fixed schedule; one row per window (see the module docstring).
+
+    Windows are closed by a ticker at t0 + k * window_s; the last one also takes the requests that
+    complete while the run drains, so every request sent is counted in exactly one window.
+    """
+    loop = asyncio.get_running_loop()
+    n_windows = math.ceil(duration_s / window_s - 1e-9)
+    scheduled = int(rate * duration_s)
+    acc = Window(int(rate * window_s * 1.5))
+    slots = asyncio.Semaphore(max_inflight)
+    tasks: set[asyncio.Task[None]] = set()
+    rows: list[dict[str, Any]] = []
+    late_after_s = late_after_ms / 1e3
+    t0 = time.monotonic() + 0.05  # a small lead: request 0 is not late because of the set-up above
+
+    async def one(due: float) -> None:
+        try:
+            result = await send()
+            acc.ok += 1
+            if result.degraded:
+                acc.degraded += 1
+            acc.add_latency((time.monotonic() - due) * 1e3)
+        except Exception as exc:  # noqa: BLE001 - every failure is counted by class, none is lost
+            acc.errors[type(exc).__name__] += 1
+        finally:
+            slots.release()
+
+    last_close = t0
+
+    def close_window(k: int, end: float) -> None:
+        nonlocal last_close
+        row = acc.close(k, last_close - t0, end - t0)
+        row["memory"] = memory_sample(server_pid)
+        rows.append(row)
+        last_close = end
+
+    async def ticker() -> None:
+        for k in range(1, n_windows):  # the last window is closed after the drain
+            await asyncio.sleep(max(0.0, t0 + k * window_s - time.monotonic()))
+            close_window(k, time.monotonic())
+
+    ticks = loop.create_task(ticker())
+    sent = unsent = 0
+    burst = 0
+    t_end = t0 + duration_s
+    for i in range(scheduled):
+        due = t0 + i / rate
+        now = time.monotonic()
+        if due > now:
+            burst = 0
+            await asyncio.sleep(due - now)
+        elif burst >= 64:
+            # Behind schedule: requests already due are started back to back, but the loop must
+            # still run their callbacks (and the ticker) between bursts.
+            burst = 0
+            await asyncio.sleep(0)
+        await slots.acquire()  # the in-flight cap: waiting here makes the request late, not lost
+        started = time.monotonic()
+        if started > t_end + window_s:
+            # So far behind that the run would overrun by a whole window: stop and say how many
+            # due requests were never started.
+            slots.release()
+            unsent = scheduled - i
+            break
+        lag = started - due
+        acc.sent += 1
+        sent += 1
+        acc.lag_max_ms = max(acc.lag_max_ms, lag * 1e3)
+        if lag > late_after_s:
+            acc.late += 1
+        task = loop.create_task(one(due))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        burst += 1
+    # Drain: every request in flight completes or fails within the client's deadline.
+    await asyncio.gather(*tasks)
+    await ticks
+    close_window(n_windows, max(time.monotonic(), t_end))
+    return rows, {"scheduled": scheduled, "sent": sent, "unsent": unsent}
+
+
+# --- the soak -------------------------------------------------------------------------------------
+
+
+def _pct_growth(before: float, after: float) -> float | None:
+    return round((after - before) / before * 100.0, 2) if before else None
+
+
+def verdict(rows: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str, Any]:
+    """The verdict figures: total errors, memory growth from the second window's end to the end, p99 ratios."""
+    base, last = rows[min(1, len(rows) - 1)]["memory"], rows[-1]["memory"]
+    first_p99 = rows[0]["p99_ms"]
+    ratios = [r["p99_ms"] / first_p99 if first_p99 and r["p99_ms"] is not None else None for r in rows]
+    for row, ratio in zip(rows, ratios):
+        row["p99_ratio"] = None if ratio is None else round(ratio, 3)
+    known = [r for r in ratios if r is not None]
+    figures = {
+        "total_errors": totals["errors_total"],
+        "server_memory_growth_pct": _pct_growth(base["server_total_mib"], last["server_total_mib"]),
+        "client_memory_growth_pct": _pct_growth(base["client_mib"], last["client_mib"]),
+        "memory_baseline_window": rows[min(1, len(rows) - 1)]["window"],
+        "p99_max_ratio": round(max(known), 3) if known else None,
+    }
+    figures["checks"] = {
+        "errors": figures["total_errors"] <= MAX_ERRORS,
+        "server_memory": figures["server_memory_growth_pct"] is not None and figures["server_memory_growth_pct"] < MAX_MEMORY_GROWTH_PCT,
+        "client_memory": figures["client_memory_growth_pct"] is not None and figures["client_memory_growth_pct"] < MAX_MEMORY_GROWTH_PCT,
+        # A window with no answered request has no p99: that fails too.
+        "p99_stability": len(known) == len(rows) and max(known) <= MAX_P99_RATIO,
+    }
+    figures["pass"] = all(figures["checks"].values())
+    return figures
+
+
+async def _soak(
+    server: LocalTriton,
+    feature_repo: Path,
+    *,
+    duration_s: float,
+    window_s: float,
+    utilization: float,
+    concurrency: int,
+    max_seconds: float,
+    warmup_s: float,
+    max_inflight: int,
+    late_after_ms: float,
+    n_users: int,
+    model: str,
+    fetch_timeout_s: float,
+    deadline_s: float,
+) -> dict[str, Any]:
+    assert server.process is not None, "the server is not running"
+    # Transactions and users drawn once: the request loop should cost the request path, not numpy.
+    rng = np.random.default_rng(0)
+    transactions = [{k: float(v) for k, v in row.items()} for _, row in demo_data.make_fraud_requests(2000, seed=3).iterrows()]
+    users = rng.integers(1, n_users + 1, size=8192).tolist()
+    counter = 0
+
+    async with TritonClient(server.grpc_url, deadline_s=deadline_s) as triton, FeatureFetcher.from_repo(feature_repo, timeout_s=fetch_timeout_s) as fetcher:
+        fraud = FraudService(triton, fetcher, model=model)
+
+        def send() -> Awaitable[FraudScore]:
+            nonlocal counter
+            counter += 1
+            return fraud.score({"user_id": users[counter % len(users)], **transactions[counter % len(transactions)]})
+
+        warmup = await closed_loop(send, concurrency, warmup_s)
+        maximum = await closed_loop(send, concurrency, max_seconds)
+        rate = utilization * maximum["rps"]
+        before = memory_sample(server.process.pid)
+        rows, counts = await open_loop(
+            send,
+            rate=rate,
+            duration_s=duration_s,
+            window_s=window_s,
+            max_inflight=max_inflight,
+            late_after_ms=late_after_ms,
+            server_pid=server.process.pid,
+        )
+
+    errors: Counter[str] = Counter()
+    for row in rows:
+        errors.update(row["errors"])
+    totals = {
+        **counts,
+        "ok": sum(r["ok"] for r in rows),
+        "errors": dict(errors),
+        "errors_total": sum(errors.values()),
+        "degraded": sum(r["degraded"] for r in rows),
+        "late": sum(r["late"] for r in rows),
+    }
+    # Nothing silently lost: every request sent was answered or failed with a counted error.
+    totals["accounted"] = totals["sent"] == totals["ok"] + totals["errors_total"]
+    return {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "settings": {
+            "duration_s": duration_s,
+            "window_s": window_s,
+            "utilization": utilization,
+            "rate_rps": round(rate, 1),
+            "max_throughput": {**maximum, "rps": round(maximum["rps"], 1)},
+            "warmup": {**warmup, "rps": round(warmup["rps"], 1)},
+            "max_inflight": max_inflight,
+            "late_after_ms": late_after_ms,
+            "model": model,
+            "n_users": n_users,
+            "fetch_timeout_s": fetch_timeout_s,
+            "deadline_s": deadline_s,
+            "latency": "from each request's due time (open loop), answered requests only",
+        },
+        "memory_before_open_loop": before,
+        "windows": rows,
+        "totals": totals,
+        "verdict": verdict(rows, totals),
+    }
+
+
+def run_soak(
+    duration_s: float,
+    window_s: float,
+    *,
+    server: LocalTriton,
+    feature_repo: str | os.PathLike[str],
+    utilization: float = 0.7,
+    concurrency: int = 16,
+    max_seconds: float = 15.0,
+    warmup_s: float = 3.0,
+    max_inflight: int = 1024,
+    late_after_ms: float = 10.0,
+    n_users: int = 5000,
+    model: str = "fraud_xgb",
+    fetch_timeout_s: float = 0.05,
+    deadline_s: float = 2.0,
+) -> dict[str, Any]:
+    """Soak the running `server` (a started LocalTriton) with fraud requests; return the results dict.
+
+    `feature_repo` is a Feast repository already applied and materialized (user ids 1..n_users).
+    Runs its own event loop: call it from synchronous code.
+    """
+    if window_s <= 0 or duration_s < 2 * window_s:
+        raise ValueError(f"duration_s ({duration_s}) must cover at least two windows of window_s ({window_s}): memory growth is measured from the second")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be within (0, 1], got {utilization}")
+    return asyncio.run(
+        _soak(
+            server,
+            Path(feature_repo),
+            duration_s=duration_s,
+            window_s=window_s,
+            utilization=utilization,
+            concurrency=concurrency,
+            max_seconds=max_seconds,
+            warmup_s=warmup_s,
+            max_inflight=max_inflight,
+            late_after_ms=late_after_ms,
+            n_users=n_users,
+            model=model,
+            fetch_timeout_s=fetch_timeout_s,
+            deadline_s=deadline_s,
+        )
+    )
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def verdict_lines(result: dict[str, Any]) -> list[str]:
+    v = result["verdict"]
+    c = v["checks"]
+    word = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
+    base = f"window {v['memory_baseline_window']}"
+    return [
+        f"{word(c['errors'])}  errors: {v['total_errors']} (threshold {MAX_ERRORS})",
+        f"{word(c['server_memory'])}  tritonserver+stubs memory growth from the end of {base} to the end: {v['server_memory_growth_pct']}% (threshold < {MAX_MEMORY_GROWTH_PCT}%)",
+        f"{word(c['client_memory'])}  client memory growth from the end of {base} to the end: {v['client_memory_growth_pct']}% (threshold < {MAX_MEMORY_GROWTH_PCT}%)",
+        f"{word(c['p99_stability'])}  p99 per window / first window's p99, max: {v['p99_max_ratio']} (threshold <= {MAX_P99_RATIO})",
+    ]
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    s, t, m = result["settings"], result["totals"], result["machine"]
+    mx = s["max_throughput"]
+    lines = [
+        f"# Soak: fraud requests at {s['utilization']:.0%} of the maximum throughput (local Triton, Redis features, {s['model']})",
+        "",
+        f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}.",
+        "",
+        f"- maximum throughput: {mx['rps']} req/s (closed loop, concurrency {mx['concurrency']}, {mx['seconds']} s, {mx['ok']} answered, errors {mx['errors'] or 0})",
+        f"- open-loop rate: **{s['rate_rps']} req/s** for {s['duration_s']:g} s, windows of {s['window_s']:g} s; in-flight cap {s['max_inflight']}, "
+        f"late = started > {s['late_after_ms']:g} ms after its due time",
+        f"- requests: scheduled {t['scheduled']}, sent {t['sent']}, answered {t['ok']}, errors {t['errors_total']} {t['errors'] or ''}, "
+        f"degraded {t['degraded']}, late {t['late']}, unsent {t['unsent']}; sent == answered + errors: {t['accounted']}",
+        f"- latency: {s['latency']}; memory: VmRSS",
+        "",
+        "| window | end s | sent | ok | errors | degraded | late | max lag ms | ok req/s | p50 ms | p99 ms | max ms | p99 / first | tritonserver MiB | stubs MiB (n) | client MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["windows"]:
+        mem = r["memory"]
+        errs = sum(r["errors"].values())
+        err_text = f"{errs} {r['errors']}" if errs else "0"
+        lines.append(
+            f"| {r['window']} | {r['end_s']:.1f} | {r['sent']} | {r['ok']} | {err_text} | {r['degraded']} | {r['late']} | {r['lag_max_ms']:.1f} | {r['ok_rps']} | "
+            f"{_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_ms(r['max_ms'])} | {r.get('p99_ratio')} | {mem['tritonserver_mib']:.1f} | {mem['stubs_mib']:.1f} ({mem['n_stubs']}) | {mem['client_mib']:.1f} |"
+        )
+    before = result["memory_before_open_loop"]
+    lines += [
+        "",
+        f"Memory before the open loop: tritonserver {before['tritonserver_mib']} MiB, stubs {before['stubs_mib']} MiB ({before['n_stubs']}), client {before['client_mib']} MiB.",
+        "",
+        "## Verdict",
+        "",
+        *[f"- {line}" for line in verdict_lines(result)],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(result: dict[str, Any], out_name: str, results_dir: Path = RESULTS) -> tuple[Path, Path]:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = results_dir / f"{out_name}.json", results_dir / f"{out_name}.md"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    md_path.write_text(render_markdown(result))
+    return json_path, md_path
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def _prepare(redis_url: str, n_users: int, recompile: bool) -> tuple[Path, Path]:
+    """The demo fraud model compiled into the workspace when absent, features in Redis: (repository, feature repo).
+
+    `recompile` runs the compiler even when the model is there (it skips an unchanged spec itself).
+    """
+    from scorestack import paths
+    from scorestack.features import store
+
+    ws = paths.workspace()
+    repository = ws / "model_repository"
+    if recompile or not (repository / "fraud_xgb" / "config.pbtxt").is_file():
+        from scorestack.compile import compile_model, train_demo_models
+
+        specs = {p.stem: p for p in train_demo_models(ws / "models")}
+        compile_model(specs["fraud_xgb"], repository)
+    repo = ws / "feature_repo_soak"
+    store.init_repo(repo, online="redis", redis_url=redis_url, n_users=n_users, project="bench_soak")
+    store.apply(repo)
+    store.materialize(repo)
+    return repository, repo
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    length = ap.add_mutually_exclusive_group()
+    length.add_argument("--minutes", type=float, default=10.0, help="duration of the open loop (default 10)")
+    length.add_argument("--seconds", type=float, help="duration in seconds instead (short mode, e.g. 60)")
+    ap.add_argument("--window", type=float, help="window length in s (default 60; 10 when the duration is under 3 minutes)")
+    ap.add_argument("--utilization", type=float, default=0.7, help="fraction of the measured maximum throughput (default 0.7)")
+    ap.add_argument("--concurrency", type=int, default=16, help="closed-loop concurrency of the maximum-throughput phase")
+    ap.add_argument("--max-seconds", type=float, default=15.0, help="length of the maximum-throughput phase")
+    ap.add_argument("--max-inflight", type=int, default=1024)
+    ap.add_argument("--late-after-ms", type=float, default=10.0)
+    ap.add_argument("--users", type=int, default=5000)
+    ap.add_argument("--out-name", help="results/<name>.{json,md} (default soak, or soak_short under 3 minutes)")
+    ap.add_argument("--recompile", action="store_true", help="run the compiler even when the workspace has the model")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a verdict check fails")
+    args = ap.parse_args(argv)
+
+    duration = args.seconds if args.seconds is not None else args.minutes * 60.0
+    short = duration < 180.0
+    window = args.window if args.window is not None else (10.0 if short else 60.0)
+    out_name = args.out_name or ("soak_short" if short else "soak")
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+    repository, feature_repo = _prepare(redis_url, args.users, args.recompile)
+    with LocalTriton(repository, models=["fraud_xgb"]) as server:
+        result = run_soak(
+            duration,
+            window,
+            server=server,
+            feature_repo=feature_repo,
+            utilization=args.utilization,
+            concurrency=args.concurrency,
+            max_seconds=args.max_seconds,
+            max_inflight=args.max_inflight,
+            late_after_ms=args.late_after_ms,
+            n_users=args.users,
+        )
+    json_path, md_path = write_results(result, out_name)
+    print(render_markdown(result))
+    print(f"wrote {json_path} and {md_path}")
+    return 1 if args.check and not result["verdict"]["pass"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The serving check: the emitted model folder, loaded in the real local Triton and queried over gRPC.
+
+Runs after emit and before the new version joins the repository: a model that verifies but does not
+serve (an artifact the Python backend cannot import, a config Triton refuses) never replaces one that does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from scorestack.errors import ScorestackError
+
+from .loaders import Holdout
+from .report import ServeCheckReport
+from .verify import sample_indices
+
+BATCH1_ROWS = 16  # rows sent one per request; the rest go in requests of max_batch_size rows
+
+
+def check_served(
+    repository: Path,
+    name: str,
+    predict: Callable[[np.ndarray], np.ndarray],
+    holdout: Holdout,
+    task: str,
+    tolerance: float,
+    rows: int = 512,
+    ready_timeout_s: float = 120.0,
+) -> ServeCheckReport:
+    """Start a local Triton on `repository` with only `name`, send held-out rows over gRPC, compare with `predict`."""
+    from scorestack.serve import LocalTriton
+
+    X = holdout.X[sample_indices(len(holdout), rows)]
+    want = predict(X).reshape(len(X), -1)
+    try:
+        with LocalTriton(repository, models=[name], ready_timeout_s=ready_timeout_s) as server:
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            try:
+                cfg = client.get_model_config(name, client_timeout=30).config
+                got = np.concatenate([_infer(client, name, cfg, chunk) for chunk in _chunks(X, int(cfg.max_batch_size) or 1)])
+            finally:
+                client.close()
+    except ScorestackError as exc:
+        return ServeCheckReport(status="failed", reason=str(exc).split("\n--- log tail")[0][:1500])
+    except Exception as exc:  # noqa: BLE001 - a gRPC error is the reason the check failed
+        return ServeCheckReport(status="failed", reason=f"inference over gRPC failed: {type(exc).__name__}: {exc}"[:1500])
+    got = got.reshape(len(X), -1).astype(np.float64)
+    if got.shape != want.shape:
+        return ServeCheckReport(status="failed", rows=len(X), reason=f"served output shape {got.shape}, expected {want.shape}")
+    diff = float(np.abs(got - want).max())
+    if not np.isfinite(got).all() or diff > tolerance:
+        return ServeCheckReport(status="failed", rows=len(X), max_abs_diff=diff, reason=f"served outputs differ from the source model: max |Δ| {diff:.3g} > tolerance {tolerance:g}")
+    return ServeCheckReport(status="passed", rows=len(X), max_abs_diff=diff)
+
+
+def _chunks(X: np.ndarray, max_batch: int) -> list[np.ndarray]:
+    head = [X[i : i + 1] for i in range(min(BATCH1_ROWS, len(X)))]
+    rest = X[len(head) :]
+    return head + [rest[i : i + max_batch] for i in range(0, len(rest), max_batch)]
+
+
+def _infer(client: grpcclient.InferenceServerClient, name: str, cfg, x: np.ndarray) -> np.ndarray:  # noqa: ANN001 - a ModelConfig
+    tensor = grpcclient.InferInput(cfg.input[0].name, list(x.shape), "FP32")
+    tensor.set_data_from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    result = client.infer(name, [tensor], client_timeout=60)
+    return result.as_numpy(cfg.output[0].name)

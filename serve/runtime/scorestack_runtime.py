@@ -1,0 +1,342 @@
+"""scorestack's model runtime: the one implementation of every artifact format.
+
+The same file runs in three places, always in the environment that serves the model:
+Triton's Python backend (through `model.py` beside it), the compiler's verification and timing
+worker (`worker.py`), and nowhere else. It is self-contained on purpose: it runs in the server
+environment (numpy<2, without scorestack installed) and is copied into every model version folder.
+
+Everything a model needs to run was decided by the compiler and written into config.pbtxt
+`parameters` (the names below are the contract, defined here once) and into the version folder
+(the artifact and SHA256SUMS).
+"""
+
+import hashlib
+import os
+
+import numpy as np
+
+# --- the config.pbtxt `parameters` contract -------------------------------------------------------
+PARAM_RUNTIME = "scorestack_runtime"  # which runner executes the artifact (a key of RUNNERS)
+PARAM_ARTIFACT = "scorestack_artifact"  # artifact file name inside the version folder
+PARAM_THREADS = "scorestack_threads"  # intra-op threads per model instance
+PARAM_OUTPUT_COLUMN = "scorestack_output_column"  # keep this column of a 2-D raw output (binary: 1)
+PARAM_METHOD = "scorestack_method"  # scikit-learn: predict_proba | predict
+PARAM_INTEGRITY = "scorestack_integrity"  # "sha256": SHA256SUMS must exist and match before loading
+PARAM_DECISION_THRESHOLD = "scorestack_decision_threshold"  # binary: read by clients, not by the runtime
+PARAMETERS = {
+    PARAM_RUNTIME: "runner for the artifact: " + ", ".join(("onnxruntime", "xgboost", "sklearn", "tl2cgen", "tensorrt")),
+    PARAM_ARTIFACT: "artifact file name inside the version folder",
+    PARAM_THREADS: "intra-op threads per model instance",
+    PARAM_OUTPUT_COLUMN: "column of a 2-D raw output that is the contract's output (binary predict_proba: 1)",
+    PARAM_METHOD: "scikit-learn method to call: predict_proba or predict",
+    PARAM_INTEGRITY: "'sha256': refuse to load unless every file listed in SHA256SUMS matches",
+    PARAM_DECISION_THRESHOLD: "binary models: probability at or above which a client decides positive",
+}
+
+# Files the compiler writes into every version folder besides the artifact.
+RUNTIME_FILES = ("model.py", "scorestack_runtime.py")
+MANIFEST = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks it by hand too
+
+# Triton data types (config JSON spelling) -> numpy.
+_DTYPES = {
+    "TYPE_BOOL": np.bool_,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+}
+
+
+class RuntimeLoadError(Exception):
+    """The model cannot be loaded; the message names the model and the file."""
+
+
+class IntegrityError(RuntimeLoadError):
+    """A file of the version folder differs from the digest the compiler recorded."""
+
+
+# --- integrity ------------------------------------------------------------------------------------
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(version_dir):
+    """Write SHA256SUMS for every file in `version_dir` (sha256sum's format); return {file: digest}."""
+    digests = {}
+    for name in sorted(os.listdir(version_dir)):
+        path = os.path.join(version_dir, name)
+        if name != MANIFEST and os.path.isfile(path):
+            digests[name] = file_sha256(path)
+    with open(os.path.join(version_dir, MANIFEST), "w") as fh:
+        fh.writelines(f"{digest}  {name}\n" for name, digest in digests.items())
+    return digests
+
+
+def read_manifest(version_dir):
+    digests = {}
+    with open(os.path.join(version_dir, MANIFEST)) as fh:
+        for line in fh:
+            if line.strip():
+                digest, name = line.rstrip("\n").split(None, 1)
+                digests[name.lstrip("*")] = digest
+    return digests
+
+
+def check_integrity(model_name, version_dir):
+    """Raise IntegrityError unless every file in SHA256SUMS exists and matches its digest."""
+    manifest = os.path.join(version_dir, MANIFEST)
+    if not os.path.exists(manifest):
+        raise IntegrityError(
+            f"model {model_name}: {manifest} is missing, so the artifact cannot be checked; "
+            "recompile the model (scorestack compile) or restore the version folder"
+        )
+    for name, want in read_manifest(version_dir).items():
+        path = os.path.join(version_dir, name)
+        if not os.path.exists(path):
+            raise IntegrityError(f"model {model_name}: {path} listed in {MANIFEST} is missing; recompile or restore it")
+        got = file_sha256(path)
+        if got != want:
+            raise IntegrityError(
+                f"model {model_name}: {path} is corrupted or was modified after compile "
+                f"(sha256 {got[:16]}…, compiled as {want[:16]}…); refusing to load it. Recompile the model or restore the file"
+            )
+
+
+# --- runners: one class per artifact format -------------------------------------------------------
+class OnnxRuntimeRunner:
+    """onnxruntime InferenceSession, all graph optimizations, sequential, `threads` intra-op threads."""
+
+    def __init__(self, path, threads, params, output_names):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        graph_inputs = [i.name for i in self.session.get_inputs()]
+        graph_outputs = [o.name for o in self.session.get_outputs()]
+        self.input_names = graph_inputs
+        # Config tensor names normally equal the graph's; fall back to position.
+        self.outputs = [n if n in graph_outputs else graph_outputs[i] for i, n in enumerate(output_names)]
+
+    def run(self, inputs):
+        feed = {}
+        for position, (name, array) in enumerate(inputs):
+            feed[name if name in self.input_names else self.input_names[position]] = array
+        return self.session.run(self.outputs, feed)
+
+
+class XGBoostRunner:
+    """xgboost Booster.inplace_predict with `threads` threads."""
+
+    def __init__(self, path, threads, params, output_names):
+        import xgboost
+
+        self.booster = xgboost.Booster(model_file=path)
+        self.booster.set_param({"nthread": threads})
+
+    def run(self, inputs):
+        return [self.booster.inplace_predict(inputs[0][1])]
+
+
+class SklearnRunner:
+    """A joblib-saved scikit-learn estimator; n_jobs set to `threads` (parallelism comes from instances)."""
+
+    def __init__(self, path, threads, params, output_names):
+        import joblib
+
+        model = joblib.load(path)
+        if hasattr(model, "n_jobs"):
+            try:
+                model.set_params(n_jobs=threads)
+            except ValueError:
+                pass
+        self.method = getattr(model, params.get(PARAM_METHOD) or "predict")
+
+    def run(self, inputs):
+        return [self.method(inputs[0][1])]
+
+
+class TL2cgenRunner:
+    """A TL2cgen shared library through tl2cgen.Predictor."""
+
+    def __init__(self, path, threads, params, output_names):
+        import tl2cgen
+
+        self.dmatrix = tl2cgen.DMatrix
+        self.predictor = tl2cgen.Predictor(path, nthread=threads)
+
+    def run(self, inputs):
+        return [self.predictor.predict(self.dmatrix(inputs[0][1]))]
+
+
+class TensorRTRunner:
+    """A TensorRT plan on the GPU (device buffers through torch.cuda); needs tensorrt and torch with CUDA."""
+
+    def __init__(self, path, threads, params, output_names):
+        try:
+            import tensorrt as trt
+            import torch
+        except Exception as exc:  # noqa: BLE001 - stub wheels fail with OSError/ImportError alike
+            raise RuntimeLoadError(f"TensorRT runner needs tensorrt and torch in this environment ({type(exc).__name__}: {exc})") from None
+        if not torch.cuda.is_available():
+            raise RuntimeLoadError("TensorRT runner: no CUDA device visible")
+        self.torch = torch
+        with open(path, "rb") as fh:
+            self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(fh.read())
+        if self.engine is None:
+            raise RuntimeLoadError(f"TensorRT could not deserialize {path} (built by another TensorRT version or GPU?)")
+        self.context = self.engine.create_execution_context()
+        self.stream = torch.cuda.Stream()
+        self.output_names = list(output_names)
+
+    def run(self, inputs):
+        torch = self.torch
+        device_inputs = []
+        for name, array in inputs:
+            x = torch.from_numpy(np.ascontiguousarray(array)).cuda()
+            self.context.set_input_shape(name, tuple(x.shape))
+            self.context.set_tensor_address(name, x.data_ptr())
+            device_inputs.append(x)
+        outs = []
+        for name in self.output_names:
+            out = torch.empty(tuple(self.context.get_tensor_shape(name)), dtype=torch.float32, device="cuda")
+            self.context.set_tensor_address(name, out.data_ptr())
+            outs.append(out)
+        self.context.execute_async_v3(self.stream.cuda_stream)
+        self.stream.synchronize()
+        return [o.cpu().numpy() for o in outs]
+
+
+# Runner selection is this table: a new format is one class and one row.
+RUNNERS = {
+    "onnxruntime": OnnxRuntimeRunner,
+    "xgboost": XGBoostRunner,
+    "sklearn": SklearnRunner,
+    "tl2cgen": TL2cgenRunner,
+    "tensorrt": TensorRTRunner,
+}
+
+
+# --- the model: load once, then execute joined batches --------------------------------------------
+def config_parameters(config):
+    return {k: (v or {}).get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+
+
+class ModelRuntime:
+    """One model version: checks its files, loads its runner, and executes the batcher's requests.
+
+    `config` is the model configuration as Triton hands it to the Python backend (JSON-like dict).
+    """
+
+    def __init__(self, name, version_dir, config):
+        self.name = name
+        params = config_parameters(config)
+        runtime = params.get(PARAM_RUNTIME) or "onnxruntime"
+        if runtime not in RUNNERS:
+            raise RuntimeLoadError(f"model {name}: unknown {PARAM_RUNTIME} {runtime!r}; expected one of {sorted(RUNNERS)}")
+        if params.get(PARAM_INTEGRITY) == "sha256":
+            check_integrity(name, version_dir)
+        artifact = os.path.join(version_dir, params.get(PARAM_ARTIFACT) or "model.onnx")
+        if not os.path.exists(artifact):
+            raise RuntimeLoadError(f"model {name}: artifact {artifact} not found")
+        threads = int(params.get(PARAM_THREADS) or 1)
+        column = (params.get(PARAM_OUTPUT_COLUMN) or "").strip()
+        self.output_column = int(column) if column else None
+        self.inputs = [(i["name"], _dtype(i["data_type"])) for i in config["input"]]
+        self.outputs = [(o["name"], _dtype(o["data_type"]), [int(d) for d in o["dims"]]) for o in config["output"]]
+        self.batched = int(config.get("max_batch_size") or 0) > 0
+        try:
+            self.runner = RUNNERS[runtime](artifact, threads, params, [n for n, _, _ in self.outputs])
+        except RuntimeLoadError as exc:
+            raise RuntimeLoadError(f"model {name}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any library error means "this artifact does not load here"
+            raise RuntimeLoadError(f"model {name}: cannot load {artifact} with {runtime}: {type(exc).__name__}: {exc}") from None
+
+    def coerce(self, arrays):
+        """Request arrays in config order, as contiguous arrays of the config's dtypes."""
+        if len(arrays) != len(self.inputs):
+            raise ValueError(f"expected {len(self.inputs)} inputs ({[n for n, _ in self.inputs]}), got {len(arrays)}")
+        return [(name, np.ascontiguousarray(a, dtype=dtype)) for (name, dtype), a in zip(self.inputs, arrays)]
+
+    def run(self, inputs, n_rows):
+        """Run one (joined) batch: `inputs` are (name, array) pairs; returns one array per output."""
+        raw = self.runner.run(inputs)
+        outputs = []
+        for (name, dtype, dims), value in zip(self.outputs, raw):
+            value = np.asarray(value)
+            if self.output_column is not None:
+                # e.g. predict_proba (n, 2) or TL2cgen's (n, 1, k): keep the column the compiler chose.
+                flat = value.reshape(n_rows, -1)
+                if flat.shape[1] > 1:
+                    value = flat[:, self.output_column]
+            shape = ([n_rows] if self.batched else []) + [d if d > 0 else -1 for d in dims]
+            outputs.append(np.ascontiguousarray(value.reshape(shape).astype(dtype, copy=False)))
+        return outputs
+
+    def execute(self, requests):
+        """The dynamic batcher hands several requests at once: join them, run once, split back.
+
+        `requests` holds, per request, its input arrays in config order (or the exception raised
+        while reading them). Returns, per request, its output arrays or an exception naming the
+        model. A joined batch that fails is retried request by request, so one bad request does not
+        fail its neighbours.
+        """
+        try:
+            per_request = [self.coerce(r) if not isinstance(r, Exception) else _raise(r) for r in requests]
+            if not self.batched:
+                raise ValueError("unbatched model: run requests one by one")
+        except Exception:  # noqa: BLE001 - fall back to one at a time, each with its own error
+            return [self._execute_one(r) for r in requests]
+        if len(per_request) == 1:  # nothing to join or split
+            try:
+                return [self.run(per_request[0], per_request[0][0][1].shape[0])]
+            except Exception:  # noqa: BLE001
+                return [self._execute_one(requests[0])]
+        sizes = [inputs[0][1].shape[0] for inputs in per_request]
+        joined = [(name, np.concatenate([inputs[i][1] for inputs in per_request], axis=0)) for i, (name, _) in enumerate(self.inputs)]
+        try:
+            outputs = self.run(joined, sum(sizes))
+        except Exception:  # noqa: BLE001
+            return [self._execute_one(r) for r in requests]
+        results = []
+        start = 0
+        for size in sizes:
+            results.append([out[start : start + size] for out in outputs])
+            start += size
+        return results
+
+    def _execute_one(self, arrays):
+        try:
+            if isinstance(arrays, Exception):
+                raise arrays
+            inputs = self.coerce(arrays)
+            n_rows = inputs[0][1].shape[0] if self.batched else 1
+            return self.run(inputs, n_rows)
+        except Exception as exc:  # noqa: BLE001 - reported per request, with the model's name
+            return RuntimeError(f"model {self.name}: {type(exc).__name__}: {exc}")
+
+
+def _raise(exc):
+    raise exc
+
+
+def _dtype(name):
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise RuntimeLoadError(f"data type {name} is not supported by the scorestack runtime (supported: {sorted(_DTYPES)})") from None
