@@ -119,6 +119,59 @@ def memory_sample(server_pid: int) -> dict[str, Any]:
     }
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | str) -> float:
+    """User + system CPU time of `pid` (or "pid/task/tid", one thread) so far; 0 if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()  # fields from 3 (state) on: utime is 14, stime 15
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def host_busy_seconds() -> float:
+    """CPU time the whole machine spent busy (all cores): the first line of /proc/stat minus idle and iowait."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / _TICK
+
+
+class CpuMeter:
+    """CPU used between two `lap`s, in % of one core: this process, tritonserver + stubs, the machine.
+
+    A soak on a shared machine can stall because something else took the cores; `other_pct`
+    (machine minus client minus server; Redis is in it) tells that apart from a stall of our own.
+    """
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float, float, float, float]:
+        server = cpu_seconds(self.server_pid) + sum(cpu_seconds(p) for p in descendants(self.server_pid))
+        pid = os.getpid()
+        # The main thread runs the event loop: near 100% of a core, the client is the bottleneck.
+        loop_thread = cpu_seconds(f"{pid}/task/{pid}")
+        return time.monotonic(), cpu_seconds(pid), loop_thread, server, host_busy_seconds()
+
+    def lap(self) -> dict[str, float]:
+        now = self._read()
+        (t0, c0, l0, s0, h0), (t1, c1, l1, s1, h1) = self._last, now
+        self._last = now
+        wall = max(t1 - t0, 1e-9)
+        client, server, host = (c1 - c0) / wall * 100, (s1 - s0) / wall * 100, (h1 - h0) / wall * 100
+        return {
+            "client_pct": round(client, 1),
+            "client_loop_thread_pct": round((l1 - l0) / wall * 100, 1),
+            "server_pct": round(server, 1),
+            "host_pct": round(host, 1),
+            "other_pct": round(max(host - client - server, 0.0), 1),
+        }
+
+
 # --- the two load shapes --------------------------------------------------------------------------
 
 
@@ -126,6 +179,7 @@ async def closed_loop(send: Send, concurrency: int, seconds: float) -> dict[str,
     """`concurrency` workers each sending back to back for `seconds`: the maximum sustainable rate."""
     ok = 0
     errors: Counter[str] = Counter()
+    samples: dict[str, str] = {}
     stop = time.monotonic() + seconds
 
     async def worker() -> None:
@@ -136,11 +190,17 @@ async def closed_loop(send: Send, concurrency: int, seconds: float) -> dict[str,
                 ok += 1
             except Exception as exc:  # noqa: BLE001 - counted by class, the point of the measurement
                 errors[type(exc).__name__] += 1
+                samples.setdefault(type(exc).__name__, _message(exc))
 
     start = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.monotonic() - start
-    return {"concurrency": concurrency, "seconds": round(elapsed, 2), "ok": ok, "errors": dict(errors), "rps": ok / elapsed}
+    return {"concurrency": concurrency, "seconds": round(elapsed, 2), "ok": ok, "errors": dict(errors), "error_samples": samples, "rps": ok / elapsed}
+
+
+def _message(exc: BaseException) -> str:
+    """The first message of an error class, kept so a report says what failed, not only how often."""
+    return f"{type(exc).__name__}: {exc}"[:400]
 
 
 class Window:
@@ -198,13 +258,15 @@ async def open_loop(
     max_inflight: int,
     late_after_ms: float,
     server_pid: int,
-) -> tuple[list[dict[str, Any]], dict[str, int]]:
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Send at `rate` for `duration_s` on a fixed schedule; one row per window (see the module docstring).
 
     Windows are closed by a ticker at t0 + k * window_s; the last one also takes the requests that
     complete while the run drains, so every request sent is counted in exactly one window.
     """
     loop = asyncio.get_running_loop()
+    error_samples: dict[str, str] = {}
+    cpu = CpuMeter(server_pid)
     n_windows = math.ceil(duration_s / window_s - 1e-9)
     scheduled = int(rate * duration_s)
     acc = Window(int(rate * window_s * 1.5))
@@ -223,6 +285,7 @@ async def open_loop(
             acc.add_latency((time.monotonic() - due) * 1e3)
         except Exception as exc:  # noqa: BLE001 - every failure is counted by class, none is lost
             acc.errors[type(exc).__name__] += 1
+            error_samples.setdefault(type(exc).__name__, _message(exc))
         finally:
             slots.release()
 
@@ -232,6 +295,7 @@ async def open_loop(
         nonlocal last_close
         row = acc.close(k, last_close - t0, end - t0)
         row["memory"] = memory_sample(server_pid)
+        row["cpu"] = cpu.lap()
         rows.append(row)
         last_close = end
 
@@ -277,7 +341,7 @@ async def open_loop(
     await asyncio.gather(*tasks)
     await ticks
     close_window(n_windows, max(time.monotonic(), t_end))
-    return rows, {"scheduled": scheduled, "sent": sent, "unsent": unsent}
+    return rows, {"scheduled": scheduled, "sent": sent, "unsent": unsent, "error_samples": error_samples}
 
 
 # --- the soak -------------------------------------------------------------------------------------
@@ -346,7 +410,11 @@ async def _soak(
             return fraud.score({"user_id": users[counter % len(users)], **transactions[counter % len(transactions)]})
 
         warmup = await closed_loop(send, concurrency, warmup_s)
+        meter = CpuMeter(server.process.pid)
         maximum = await closed_loop(send, concurrency, max_seconds)
+        # CPU per answered request, closed loop vs open loop, says whether the open loop costs more
+        # per request (same-turn feature coalescing and dynamic batching find less to join).
+        maximum["cpu"] = meter.lap()
         rate = utilization * maximum["rps"]
         before = memory_sample(server.process.pid)
         rows, counts = await open_loop(
@@ -470,15 +538,16 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}.",
         "",
-        f"- maximum throughput: {mx['rps']} req/s (closed loop, concurrency {mx['concurrency']}, {mx['seconds']} s, {mx['ok']} answered, errors {mx['errors'] or 0})",
+        f"- maximum throughput: {mx['rps']} req/s (closed loop, concurrency {mx['concurrency']}, {mx['seconds']} s, {mx['ok']} answered, errors {mx['errors'] or 0}; "
+        f"CPU % client (loop thread) / server / other: {mx['cpu']['client_pct']:.0f} ({mx['cpu']['client_loop_thread_pct']:.0f}) / {mx['cpu']['server_pct']:.0f} / {mx['cpu']['other_pct']:.0f})",
         f"- open-loop rate: **{s['rate_rps']} req/s** for {s['duration_s']:g} s, windows of {s['window_s']:g} s; in-flight cap {s['max_inflight']}, "
         f"late = started > {s['late_after_ms']:g} ms after its due time",
         f"- requests: scheduled {t['scheduled']}, sent {t['sent']}, answered {t['ok']}, errors {t['errors_total']} {t['errors'] or ''}, "
         f"degraded {t['degraded']}, late {t['late']}, unsent {t['unsent']}; sent == answered + errors: {t['accounted']}",
         f"- latency: {s['latency']}; memory: VmRSS",
         "",
-        "| window | end s | sent | ok | errors | degraded | late | max lag ms | ok req/s | p50 ms | p99 ms | max ms | p99 / first | tritonserver MiB | stubs MiB (n) | client MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| window | end s | sent | ok | errors | degraded | late | max lag ms | ok req/s | p50 ms | p99 ms | max ms | p99 / first | tritonserver MiB | stubs MiB (n) | client MiB | CPU % client (loop thread) / server / other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["windows"]:
         mem = r["memory"]
@@ -486,12 +555,15 @@ def render_markdown(result: dict[str, Any]) -> str:
         err_text = f"{errs} {r['errors']}" if errs else "0"
         lines.append(
             f"| {r['window']} | {r['end_s']:.1f} | {r['sent']} | {r['ok']} | {err_text} | {r['degraded']} | {r['late']} | {r['lag_max_ms']:.1f} | {r['ok_rps']} | "
-            f"{_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_ms(r['max_ms'])} | {r.get('p99_ratio')} | {mem['tritonserver_mib']:.1f} | {mem['stubs_mib']:.1f} ({mem['n_stubs']}) | {mem['client_mib']:.1f} |"
+            f"{_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_ms(r['max_ms'])} | {r.get('p99_ratio')} | {mem['tritonserver_mib']:.1f} | {mem['stubs_mib']:.1f} ({mem['n_stubs']}) | {mem['client_mib']:.1f} | "
+            f"{r['cpu']['client_pct']:.0f} ({r['cpu']['client_loop_thread_pct']:.0f}) / {r['cpu']['server_pct']:.0f} / {r['cpu']['other_pct']:.0f} |"
         )
     before = result["memory_before_open_loop"]
     lines += [
         "",
-        f"Memory before the open loop: tritonserver {before['tritonserver_mib']} MiB, stubs {before['stubs_mib']} MiB ({before['n_stubs']}), client {before['client_mib']} MiB.",
+        f"Memory before the open loop: tritonserver {before['tritonserver_mib']} MiB, stubs {before['stubs_mib']} MiB ({before['n_stubs']}), client {before['client_mib']} MiB. "
+        f"CPU in % of one core ({m['cpus']} cores in all); other = the machine minus client and server (Redis included).",
+        *([""] + [f"- first {kind}: `{text}`" for kind, text in t["error_samples"].items()] if t["error_samples"] else []),
         "",
         "## Verdict",
         "",
@@ -546,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--late-after-ms", type=float, default=10.0)
     ap.add_argument("--users", type=int, default=5000)
     ap.add_argument("--out-name", help="results/<name>.{json,md} (default soak, or soak_short under 3 minutes)")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS, help=f"where to write (default {RESULTS})")
     ap.add_argument("--recompile", action="store_true", help="run the compiler even when the workspace has the model")
     ap.add_argument("--check", action="store_true", help="exit 1 when a verdict check fails")
     args = ap.parse_args(argv)
@@ -570,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             late_after_ms=args.late_after_ms,
             n_users=args.users,
         )
-    json_path, md_path = write_results(result, out_name)
+    json_path, md_path = write_results(result, out_name, args.results_dir)
     print(render_markdown(result))
     print(f"wrote {json_path} and {md_path}")
     return 1 if args.check and not result["verdict"]["pass"] else 0

@@ -58,12 +58,43 @@ def convert_sklearn_onnx(source: SourceModel, workdir: Path, ctx: ConvertContext
     return save_onnx_contract(raw, workdir, ctx, src, source.n_classes, notes=["skl2onnx, zipmap off"])
 
 
+def _portable_pickler(fh: Any) -> Any:
+    """A pickler writing numpy random generators in the form numpy 1.x and 2.x both read.
+
+    numpy 2 pickles a Generator (HistGradientBoosting keeps one) or a RandomState (a
+    GradientBoosting's trees do) with its BitGenerator *class* as the constructor argument, which
+    numpy 1.26 (the server environment) refuses: "<class 'numpy.random._pcg64.PCG64'> is not a known
+    BitGenerator module". The name and the state dict are what both versions accept. A plain pickle
+    (joblib.load reads it): joblib's own pickler writes object arrays, such as a forest's
+    `estimators_`, through a nested default pickler that this override would not reach.
+    """
+    import pickle
+
+    import numpy as np
+    from numpy.random import _pickle as rp
+
+    generator_ctor = getattr(rp, "__generator_ctor")
+    bit_generator_ctor = getattr(rp, "__bit_generator_ctor")
+    randomstate_ctor = getattr(rp, "__randomstate_ctor")
+
+    class PortablePickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, np.random.Generator):
+                return generator_ctor, (type(obj.bit_generator).__name__,), obj.bit_generator.state
+            if isinstance(obj, np.random.RandomState):
+                return randomstate_ctor, (type(obj._bit_generator).__name__,), obj.get_state(legacy=False)
+            if isinstance(obj, np.random.BitGenerator):
+                return bit_generator_ctor, (type(obj).__name__,), obj.state
+            return NotImplemented
+
+    return PortablePickler(fh, protocol=4)
+
+
 def convert_sklearn_native(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
     """scikit-learn itself inside the model runtime (joblib file; predict_proba or predict)."""
-    import joblib
-
     path = workdir / "model.joblib"
-    joblib.dump(source.model, path)
+    with open(path, "wb") as fh:
+        _portable_pickler(fh).dump(source.model)
     classifier = source.task in ("binary", "multiclass")
     return Artifact(
         "native",

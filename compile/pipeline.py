@@ -123,6 +123,10 @@ def _load(worker: RuntimeWorker, spec: ModelSpec, model: SourceModel, cand: _Can
     return worker.load(_key(cand.artifact.format, threads), spec.name, cand.version_dir, emit.config_dict(cfg))
 
 
+def source_kind(model: SourceModel) -> str:
+    return f"{model.family} models ({model.description})"
+
+
 def _candidates(
     spec: ModelSpec, model: SourceModel, holdout: Holdout, workdir: Path, worker: RuntimeWorker
 ) -> tuple[list[CandidateReport], dict[str, _Candidate]]:
@@ -137,7 +141,11 @@ def _candidates(
     )
     reports: list[CandidateReport] = []
     verified: dict[str, _Candidate] = {}
-    for fmt in registry.formats_for(model.family):
+    registered = registry.formats_for(model.family)
+    for fmt in spec.formats or []:
+        if fmt not in registered:
+            reports.append(CandidateReport(format=fmt, status="skipped", reason=f"no {fmt} converter for {source_kind(model)} (this family can become: {', '.join(registered)})"))
+    for fmt in registered:
         if spec.formats is not None and fmt not in spec.formats:
             reports.append(CandidateReport(format=fmt, status="skipped", reason="not listed in the spec's `formats`"))
             continue

@@ -6,11 +6,13 @@ serve (an artifact the Python backend cannot import, a config Triton refuses) ne
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from scorestack.errors import ScorestackError
 
@@ -18,6 +20,7 @@ from .loaders import Holdout
 from .report import ServeCheckReport
 from .verify import sample_indices
 
+REJECTION_RETRIES = 5
 BATCH1_ROWS = 16  # rows sent one per request; the rest go in requests of max_batch_size rows
 
 
@@ -66,5 +69,12 @@ def _chunks(X: np.ndarray, max_batch: int) -> list[np.ndarray]:
 def _infer(client: grpcclient.InferenceServerClient, name: str, cfg, x: np.ndarray) -> np.ndarray:  # noqa: ANN001 - a ModelConfig
     tensor = grpcclient.InferInput(cfg.input[0].name, list(x.shape), "FP32")
     tensor.set_data_from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    result = client.infer(name, [tensor], client_timeout=60)
-    return result.as_numpy(cfg.output[0].name)
+    for attempt in range(REJECTION_RETRIES + 1):
+        try:
+            return client.infer(name, [tensor], client_timeout=60).as_numpy(cfg.output[0].name)
+        except InferenceServerException as exc:
+            # The queue policy shedding load on a busy machine says nothing about the model: try again.
+            if "Request timeout expired" not in str(exc) or attempt == REJECTION_RETRIES:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")

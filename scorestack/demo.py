@@ -77,7 +77,11 @@ def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_ca
     for spec in specs:
         with console.status(f"compiling {spec.stem} (skipped when unchanged)"), _quiet(log):
             report = compile_model(spec, repository)
-        console.print(f"[green]compiled[/green] {spec.stem}: selected {report.selected.format}")
+        check = report.serve_check.status if report.serve_check else "skipped"
+        console.print(
+            f"[green]compiled[/green] {spec.stem}: selected {report.selected.format}, version {report.version}, "
+            f"serving check {check}" + (" (unchanged, not recompiled)" if report.skipped else "")
+        )
 
     redis_url = os.environ.get("REDIS_URL")
     online = "redis" if redis_url else "sqlite"
@@ -90,7 +94,7 @@ def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_ca
     with console.status("starting Triton"):
         server = LocalTriton(repository).start()
     try:
-        console.print(f"[green]Triton[/green] ready at {server.grpc_url} serving {', '.join(server.view.models)}")
+        console.print(f"[green]Triton[/green] ready at {server.grpc_url} serving {', '.join(server.ready_models())}")
         breakdowns = asyncio.run(run_diagnosis(server.grpc_url, feature_repo, n_fraud, n_ranking, n_candidates))
     finally:
         server.stop()

@@ -29,6 +29,7 @@ SERVER_REQUIREMENTS: tuple[str, ...] = (
     "scikit-learn==1.9.1",
     "xgboost-cpu==3.2.0",
     "tl2cgen==1.0.0",
+    "threadpoolctl==3.8.0",  # the runtime raises OpenMP's thread cap for multi-threaded TL2cgen instances
 )
 MIN_GLIBC = (2, 35)
 DOCKER_HINT = (

@@ -173,10 +173,13 @@ def test_misspelled_field_names_the_field(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(bad)
     assert "max_batch_sise" in str(err.value) and str(bad) in str(err.value)
-    # The local view refuses the repository the same way, before any server starts.
+    # The local view names it the same way, before any server starts: strict refuses the
+    # repository, the default leaves that model out with the reason (the others still serve).
     (bad.parent / "1").mkdir()
     with pytest.raises(ConfigError, match="max_batch_sise"):
-        build_local_view(tmp_path, tmp_path / "view")
+        build_local_view(tmp_path, tmp_path / "view", strict=True)
+    view = build_local_view(tmp_path, tmp_path / "view2")
+    assert view.models == () and "max_batch_sise" in view.skipped["m"]
 
 
 def test_bad_enum_and_wrong_type_are_named():

@@ -177,6 +177,12 @@ class TL2cgenRunner:
     def __init__(self, path, threads, params, output_names):
         import tl2cgen
 
+        if threads > 1:
+            # TL2cgen caps nthread at OpenMP's max threads, which the server environment sets to 1
+            # (OMP_NUM_THREADS) so that instances do not oversubscribe; this instance was given more.
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(limits=threads, user_api="openmp")
         self.dmatrix = tl2cgen.DMatrix
         self.predictor = tl2cgen.Predictor(path, nthread=threads)
 

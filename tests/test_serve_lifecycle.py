@@ -1,0 +1,331 @@
+"""The server's life around its models: a bad model among good ones, a tampered artifact, a killed
+supervisor, a hot-swap under load, and the serving check that keeps a broken version out."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aiogrpc
+import xgboost as xgb
+import yaml
+
+from scorestack.compile import compile_model
+from scorestack.errors import ServerError, VerificationError
+from scorestack.serve import LocalTriton
+from scorestack.serve.runtime import scorestack_runtime as rt
+from scorestack.serve.server import SUPERVISOR_ENV, _supervisor_tag, clean_leftovers, free_port
+
+SCORESTACK = str(Path(sys.executable).parent / "scorestack")
+
+
+def _copy_model(src_repo: Path, name: str, dest_repo: Path, new_name: str | None = None) -> Path:
+    new_name = new_name or name
+    dest = dest_repo / new_name
+    shutil.copytree(src_repo / name, dest)
+    cfg = dest / "config.pbtxt"
+    cfg.write_text(re.sub(r'^name: ".*"$', f'name: "{new_name}"', cfg.read_text(), count=1, flags=re.M))
+    return dest
+
+
+def _version_dir(model: Path) -> Path:
+    return max((p for p in model.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def _infer(url: str, name: str, X: np.ndarray, output: str) -> np.ndarray:
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        inp = grpcclient.InferInput("features", list(X.shape), "FP32")
+        inp.set_data_from_numpy(np.ascontiguousarray(X, dtype=np.float32))
+        return client.infer(name, [inp], client_timeout=30).as_numpy(output)
+    finally:
+        client.close()
+
+
+def _holdout(models_dir: Path, name: str) -> np.ndarray:
+    spec = yaml.safe_load((models_dir / f"{name}.yaml").read_text())
+    return np.load(models_dir / spec["holdout"])["X"]
+
+
+# --- a repository with two good models and a broken one -------------------------------------------
+
+
+def test_good_models_serve_beside_a_broken_one(compiled_demo, server_environment, tmp_path):
+    models_dir, demo_repo, _, reports = compiled_demo
+    repo = tmp_path / "repo"
+    for name in ("fraud_xgb", "ranking_xgb"):
+        _copy_model(demo_repo, name, repo)
+    broken = _copy_model(demo_repo, "fraud_xgb", repo, "fraud_broken")
+    vdir = _version_dir(broken)
+    (vdir / "model.onnx").write_bytes(b"not an onnx graph")
+    rt.write_manifest(str(vdir))  # digests match: this is a bad artifact, not a tampered one
+
+    with LocalTriton(repo, server_env=server_environment) as server:
+        assert server.ready_models() == ["fraud_xgb", "ranking_xgb"]
+        st = server.model_status["fraud_broken"]
+        assert not st.ready and "fraud_broken" in st.reason and "onnxruntime" in st.reason, st.reason
+        X = _holdout(models_dir, "fraud_xgb")[:5]
+        np.testing.assert_allclose(_infer(server.grpc_url, "fraud_xgb", X, "probability")[:, 0], _source_fraud(models_dir, X), atol=1e-5)
+        R = _holdout(models_dir, "ranking_xgb")[:7]
+        assert _infer(server.grpc_url, "ranking_xgb", R, "score").shape == (7, 1)
+
+    with pytest.raises(ServerError, match="fraud_broken"):  # --strict restores all-or-nothing
+        LocalTriton(repo, server_env=server_environment, strict=True).start()
+
+
+def _source_fraud(models_dir: Path, X: np.ndarray) -> np.ndarray:
+    booster = xgb.Booster(model_file=str(models_dir / "fraud_xgb.json"))
+    return booster.predict(xgb.DMatrix(X))
+
+
+def test_a_flipped_byte_is_refused_by_name(compiled_demo, server_environment, tmp_path):
+    models_dir, demo_repo, _, _ = compiled_demo
+    repo = tmp_path / "repo"
+    fraud = _copy_model(demo_repo, "fraud_xgb", repo)
+    _copy_model(demo_repo, "ranking_xgb", repo)
+    artifact = _version_dir(fraud) / "model.onnx"
+    data = bytearray(artifact.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    artifact.write_bytes(bytes(data))
+
+    with LocalTriton(repo, server_env=server_environment) as server:
+        st = server.model_status["fraud_xgb"]
+        assert not st.ready
+        assert "corrupted or was modified after compile" in st.reason and str(artifact) in st.reason, st.reason
+        assert server.ready_models() == ["ranking_xgb"]  # that model alone is unavailable
+        assert _infer(server.grpc_url, "ranking_xgb", _holdout(models_dir, "ranking_xgb")[:3], "score").shape == (3, 1)
+
+
+# --- the server dies with its supervisor ------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def _start_serve(repo: Path, ports: tuple[int, int, int], tmp: Path) -> tuple[subprocess.Popen, str, list[str]]:
+    g, h, m = ports
+    env = dict(os.environ, TMPDIR=str(tmp), COLUMNS="250")
+    proc = subprocess.Popen(
+        [SCORESTACK, "serve", "--repository", str(repo), "--grpc-port", str(g), "--http-port", str(h), "--metrics-port", str(m)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: list[str] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Ctrl-C to stop" in line:
+            return proc, f"127.0.0.1:{g}", lines
+    proc.kill()
+    raise AssertionError("scorestack serve did not become ready:\n" + "".join(lines))
+
+
+def test_sigkill_of_serve_leaves_no_triton_behind(compiled_demo, server_environment, tmp_path):
+    models_dir, demo_repo, _, _ = compiled_demo
+    repo = tmp_path / "repo"
+    _copy_model(demo_repo, "fraud_xgb", repo)
+    ports = (free_port(), free_port(), free_port())
+    proc, url, lines = _start_serve(repo, ports, tmp_path)
+    try:
+        assert any("ready" in ln and "fraud_xgb" in ln for ln in lines), "".join(lines)
+        (triton,) = _children(proc.pid)
+        stubs = _children(triton)
+        assert stubs, "the Python backend stubs should run as tritonserver's children"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in [triton, *stubs]):
+            time.sleep(0.1)
+        assert not [p for p in [triton, *stubs] if _alive(p)], "tritonserver or a stub outlived its supervisor"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # A new server starts on the same ports and serves.
+    proc, url, _ = _start_serve(repo, ports, tmp_path)
+    try:
+        X = _holdout(models_dir, "fraud_xgb")[:3]
+        np.testing.assert_allclose(_infer(url, "fraud_xgb", X, "probability")[:, 0], _source_fraud(models_dir, X), atol=1e-5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+
+
+def test_orphans_of_a_dead_supervisor_are_cleaned_at_start(tmp_path):
+    gone = subprocess.Popen(["true"])
+    tag = _supervisor_tag(gone.pid)
+    gone.wait()
+    orphan = subprocess.Popen(["sleep", "300"], env=dict(os.environ, **{SUPERVISOR_ENV: tag}))
+    mine = subprocess.Popen(["sleep", "300"], env=dict(os.environ, **{SUPERVISOR_ENV: _supervisor_tag(os.getpid())}))
+    region = Path(f"/dev/shm/scorestack_{gone.pid}_deadbeef_region")
+    region.write_bytes(b"x")
+    try:
+        killed = clean_leftovers()
+        orphan.wait(5)
+        assert orphan.pid in killed and orphan.returncode == -signal.SIGKILL
+        assert mine.poll() is None, "a live supervisor's server must be left alone"
+        assert not region.exists()
+    finally:
+        for p in (orphan, mine):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        region.unlink(missing_ok=True)
+
+
+# --- hot-swap under load ----------------------------------------------------------------------------
+
+
+def _regression_spec(root: Path, tag: str, shift: float, keep_versions: int = 1) -> tuple[Path, xgb.Booster]:
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=(800, 5)).astype(np.float32)
+    y = X[:, 0] - 0.5 * X[:, 1] * X[:, 2] + shift
+    model = xgb.XGBRegressor(n_estimators=15, max_depth=3, n_jobs=1).fit(X[:600], y[:600])
+    model.get_booster().save_model(root / f"swap_{tag}.json")
+    np.savez(root / f"swap_{tag}.npz", X=X[600:], y=y[600:])
+    spec = {
+        "name": "swap",
+        "source": {"path": f"swap_{tag}.json", "format": "xgboost-json"},
+        "task": "regression",
+        "inputs": {"features": [f"x{i}" for i in range(5)]},
+        "serving": {"batch_sizes": [1, 32], "keep_versions": keep_versions, "latency_budget_ms": 200},
+        "holdout": f"swap_{tag}.npz",
+        "formats": ["onnx"],
+    }
+    path = root / f"swap_{tag}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path, xgb.Booster(model_file=str(root / f"swap_{tag}.json"))
+
+
+def test_hot_swap_under_32_concurrent_clients_drops_nothing(server_environment, tmp_path):
+    repo = tmp_path / "repo"
+    spec1, v1 = _regression_spec(tmp_path, "v1", shift=0.0)
+    spec2, v2 = _regression_spec(tmp_path, "v2", shift=3.0)
+    assert compile_model(spec1, repo, serve_check=False).version == 1
+    X = np.random.default_rng(8).normal(size=(32, 5)).astype(np.float32)
+    want1, want2 = v1.predict(xgb.DMatrix(X)), v2.predict(xgb.DMatrix(X))
+    assert np.abs(want1 - want2).min() > 1.0
+
+    proc, url, _ = _start_serve(repo, (free_port(), free_port(), free_port()), tmp_path)
+    results: list[list[tuple[float, float, object]]] = [[] for _ in range(32)]
+    stop = threading.Event()
+
+    async def client(i: int, c: aiogrpc.InferenceServerClient) -> None:
+        x = X[i : i + 1]
+        while not stop.is_set():
+            inp = aiogrpc.InferInput("features", [1, 5], "FP32")
+            inp.set_data_from_numpy(x)
+            sent = time.monotonic()
+            try:
+                out: object = float((await c.infer("swap", [inp], client_timeout=30)).as_numpy("prediction")[0, 0])
+            except Exception as exc:  # noqa: BLE001 - every failure is counted
+                out = exc
+            results[i].append((sent, time.monotonic(), out))
+
+    async def load() -> None:
+        c = aiogrpc.InferenceServerClient(url)
+        try:
+            await asyncio.gather(*(client(i, c) for i in range(32)))
+        finally:
+            await c.close()
+
+    runner = threading.Thread(target=lambda: asyncio.run(load()))
+    runner.start()
+    try:
+        time.sleep(1.0)
+        swap = subprocess.run(
+            [SCORESTACK, "compile", str(spec2), "--repository", str(repo), "--serve-url", url],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=dict(os.environ, COLUMNS="250"),
+        )
+        swapped_at = time.monotonic()
+        time.sleep(1.5)
+    finally:
+        stop.set()
+        runner.join(60)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert swap.returncode == 0, swap.stdout + swap.stderr
+    assert "serving swap version 2" in swap.stdout
+
+    total = sum(len(r) for r in results)
+    errors = [out for r in results for _, _, out in r if isinstance(out, Exception)]
+    assert total > 200 and not errors, f"{len(errors)} of {total} failed, e.g. {errors[:1]}"
+    seen_new = 0
+    for i, r in enumerate(results):
+        versions = []
+        for sent, _, out in r:
+            if abs(out - want1[i]) <= 1e-4:
+                versions.append(1)
+            else:
+                assert abs(out - want2[i]) <= 1e-4, f"client {i}: {out} is neither version's output"
+                versions.append(2)
+            if sent > swapped_at:
+                assert versions[-1] == 2, f"client {i}: old output after the swap completed"
+        assert versions == sorted(versions), f"client {i} went back to the old version"
+        assert versions[0] == 1
+        seen_new += versions[-1] == 2
+    assert seen_new == 32
+    assert sorted(p.name for p in repo.joinpath("swap").iterdir() if p.is_dir()) == ["2"]  # keep_versions: 1
+
+
+# --- the serving check keeps a version that does not serve out of the repository -----------------
+
+
+def test_serving_check_catches_an_artifact_that_shadows_the_runtime(server_environment, tmp_path, monkeypatch):
+    # Reproduce the historical fault for real: a TL2cgen library named model.so beside model.py is
+    # imported by Triton's Python backend as the model. Verification in the worker passes (it loads
+    # the library by path); only serving it in Triton shows the failure.
+    from scorestack.compile import _tree_commons, emit
+
+    repo = tmp_path / "repo"
+    spec1, _ = _regression_spec(tmp_path, "v1", shift=0.0, keep_versions=2)
+    compile_model(spec1, repo, serve_check=False)
+    before = (repo / "swap" / "config.pbtxt").read_text()
+    spec2, _ = _regression_spec(tmp_path, "v2", shift=1.0, keep_versions=2)
+    spec2.write_text(spec2.read_text().replace("- onnx", "- tl2cgen"))
+    monkeypatch.setattr(_tree_commons, "TL2CGEN_ARTIFACT", "model.so")
+    monkeypatch.setattr(emit, "check_artifact_name", lambda name: None)
+    with pytest.raises(VerificationError) as err:
+        compile_model(spec2, repo)
+    msg = str(err.value)
+    assert "model swap: the tl2cgen artifact verified in the server environment but failed the serving check" in msg
+    assert "PyInit_model" in msg and "version 1 stays in place" in msg
+    assert sorted(p.name for p in (repo / "swap").iterdir() if p.is_dir()) == ["1"]
+    assert (repo / "swap" / "config.pbtxt").read_text() == before
