@@ -26,6 +26,7 @@ from scorestack.errors import ServerError, VerificationError
 from scorestack.serve import LocalTriton
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.server import SUPERVISOR_ENV, _supervisor_tag, clean_leftovers, free_port
+from scorestack.triton_config import load_config
 
 SCORESTACK = str(Path(sys.executable).parent / "scorestack")
 
@@ -41,6 +42,12 @@ def _copy_model(src_repo: Path, name: str, dest_repo: Path, new_name: str | None
 
 def _version_dir(model: Path) -> Path:
     return max((p for p in model.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def _artifact(model: Path) -> Path:
+    """The served artifact of the newest version (whatever format the compiler selected)."""
+    params = load_config(model / "config.pbtxt").parameters
+    return _version_dir(model) / params[rt.PARAM_ARTIFACT].string_value
 
 
 def _infer(url: str, name: str, X: np.ndarray, output: str) -> np.ndarray:
@@ -66,15 +73,14 @@ def test_good_models_serve_beside_a_broken_one(compiled_demo, server_environment
     repo = tmp_path / "repo"
     for name in ("fraud_xgb", "ranking_xgb"):
         _copy_model(demo_repo, name, repo)
-    broken = _copy_model(demo_repo, "fraud_xgb", repo, "fraud_broken")
-    vdir = _version_dir(broken)
-    (vdir / "model.onnx").write_bytes(b"not an onnx graph")
-    rt.write_manifest(str(vdir))  # digests match: this is a bad artifact, not a tampered one
+    broken = _artifact(_copy_model(demo_repo, "fraud_xgb", repo, "fraud_broken"))
+    broken.write_bytes(b"not a model")
+    rt.write_manifest(str(broken.parent))  # digests match: this is a bad artifact, not a tampered one
 
     with LocalTriton(repo, server_env=server_environment) as server:
         assert server.ready_models() == ["fraud_xgb", "ranking_xgb"]
         st = server.model_status["fraud_broken"]
-        assert not st.ready and "fraud_broken" in st.reason and "onnxruntime" in st.reason, st.reason
+        assert not st.ready and f"model fraud_broken: cannot load {broken}" in st.reason, st.reason
         X = _holdout(models_dir, "fraud_xgb")[:5]
         np.testing.assert_allclose(_infer(server.grpc_url, "fraud_xgb", X, "probability")[:, 0], _source_fraud(models_dir, X), atol=1e-5)
         R = _holdout(models_dir, "ranking_xgb")[:7]
@@ -94,7 +100,7 @@ def test_a_flipped_byte_is_refused_by_name(compiled_demo, server_environment, tm
     repo = tmp_path / "repo"
     fraud = _copy_model(demo_repo, "fraud_xgb", repo)
     _copy_model(demo_repo, "ranking_xgb", repo)
-    artifact = _version_dir(fraud) / "model.onnx"
+    artifact = _artifact(fraud)
     data = bytearray(artifact.read_bytes())
     data[len(data) // 2] ^= 0x01
     artifact.write_bytes(bytes(data))
@@ -302,6 +308,8 @@ def test_hot_swap_under_32_concurrent_clients_drops_nothing(server_environment, 
         assert versions[0] == 1
         seen_new += versions[-1] == 2
     assert seen_new == 32
+    old = sum(v == 1 for r in results for _, _, v in [(a, b, 1 if abs(o - want1[i]) <= 1e-4 else 2) for a, b, o in r] for i in [results.index(r)])
+    print(f"hot-swap: {total} requests from 32 clients, {old} answered by version 1, {total - old} by version 2, 0 failed")
     assert sorted(p.name for p in repo.joinpath("swap").iterdir() if p.is_dir()) == ["2"]  # keep_versions: 1
 
 

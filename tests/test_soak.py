@@ -56,16 +56,17 @@ def test_soak_short_every_request_answered_and_memory_bounded(compiled_demo, ser
         result = soak.run_soak(DURATION_S, WINDOW_S, server=server, feature_repo=feature_repo, n_users=N_USERS, max_seconds=10.0)
 
     totals, windows = result["totals"], result["windows"]
+    report = soak.render_markdown(result)  # the per-window table (CPU, lag, errors' first messages) on failure
     assert result["settings"]["max_throughput"]["rps"] > 0
     assert len(windows) == 6
     # Nothing silently lost, nothing failed: every request sent was answered.
     assert totals["sent"] == totals["ok"] + totals["errors_total"]
-    assert totals["accounted"]
-    assert totals["errors_total"] == 0, totals["errors"]
-    assert totals["unsent"] == 0 and totals["sent"] == totals["scheduled"]
+    assert totals["accounted"], report
+    assert totals["errors_total"] == 0, report
+    assert totals["unsent"] == 0 and totals["sent"] == totals["scheduled"], report
     assert sum(w["sent"] for w in windows) == totals["sent"]
     # Memory bounded: the end against the end of the second window (start-up growth excluded).
     base, end = windows[1]["memory"], windows[-1]["memory"]
     assert base["n_stubs"] >= 1 and end["n_stubs"] == base["n_stubs"]  # the backend stubs found, none died
-    assert end["server_total_mib"] <= MAX_SERVER_GROWTH * base["server_total_mib"], (base, end)
-    assert end["client_mib"] <= MAX_CLIENT_GROWTH * base["client_mib"], (base, end)
+    assert end["server_total_mib"] <= MAX_SERVER_GROWTH * base["server_total_mib"], report
+    assert end["client_mib"] <= MAX_CLIENT_GROWTH * base["client_mib"], report

@@ -102,7 +102,8 @@ def check_integrity(model_name, version_dir):
             "recompile the model (scorestack compile) or restore the version folder"
         )
     for name, want in read_manifest(version_dir).items():
-        path = os.path.join(version_dir, name)
+        # Real paths in messages: the local view links to the repository's files, which is what a user fixes.
+        path = os.path.realpath(os.path.join(version_dir, name))
         if not os.path.exists(path):
             raise IntegrityError(f"model {model_name}: {path} listed in {MANIFEST} is missing; recompile or restore it")
         got = file_sha256(path)
@@ -257,7 +258,7 @@ class ModelRuntime:
             raise RuntimeLoadError(f"model {name}: unknown {PARAM_RUNTIME} {runtime!r}; expected one of {sorted(RUNNERS)}")
         if params.get(PARAM_INTEGRITY) == "sha256":
             check_integrity(name, version_dir)
-        artifact = os.path.join(version_dir, params.get(PARAM_ARTIFACT) or "model.onnx")
+        artifact = os.path.realpath(os.path.join(version_dir, params.get(PARAM_ARTIFACT) or "model.onnx"))
         if not os.path.exists(artifact):
             raise RuntimeLoadError(f"model {name}: artifact {artifact} not found")
         threads = int(params.get(PARAM_THREADS) or 1)
