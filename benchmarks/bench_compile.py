@@ -3,10 +3,11 @@
     python benchmarks/bench_compile.py [--models DIR] [--rounds 7]
 
 Trains the demo models if absent (scorestack.compile.train_demo_models), compiles `fraud_xgb` into a
-temporary repository, then times, interleaved in one process at batch 1, 64 and 1024:
-  - the selected artifact, through the same runner the compiler verified;
-  - native XGBoost the way the model runtime runs it (Booster.inplace_predict, nthread=1);
-  - native XGBoost the way a user writes it (XGBClassifier.predict_proba, default threads).
+temporary repository, then times, at batch 1, 64 and 1024:
+  - the selected artifact, through the model runtime in the server environment (the compiler's worker);
+  - native XGBoost through the same runtime and worker (Booster.inplace_predict, nthread=1);
+  - native XGBoost the way a user writes it (XGBClassifier.predict_proba, default threads), in this
+    process; its rounds alternate with the worker's.
 Writes benchmarks/results/compile_fraud_xgb.json and .md and prints the ratios.
 """
 
@@ -22,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from scorestack.compile import compile_model, train_demo_models
-from scorestack.compile.measure import TimingPlan, measure
+from scorestack.compile import compile_model, emit, train_demo_models
 from scorestack.compile.registry import Artifact
 from scorestack.paths import workspace
+from scorestack.serve.runtime import scorestack_runtime as rt
+from scorestack.serve.worker import RuntimeWorker
+from scorestack.triton_config import load_config
 
 BATCHES = (1, 64, 1024)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -41,40 +44,45 @@ def main() -> None:
 
     specs = {p.stem: p for p in train_demo_models(args.models)}
     with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
-        report = compile_model(specs["fraud_xgb"], Path(tmp) / "repo", force=True)
+        repo = Path(tmp) / "repo"
+        report = compile_model(specs["fraud_xgb"], repo, force=True)
         sel = report.selected
-        art = Artifact(
-            sel.format, sel.runtime, sel.backend, sel.artifact, Path(tmp) / "repo" / "fraud_xgb" / "1" / sel.artifact, output_column=sel.output_column, method=sel.method
-        )
-        selected = art.runner(sel.threads, "probability")
-
         model_file = args.models / "fraud_xgb.json"
-        booster = xgb.Booster(model_file=str(model_file))
-        booster.set_param({"nthread": 1})
+        selected_dir = repo / "fraud_xgb" / str(report.version)
+        selected_cfg = emit.config_dict(load_config(repo / "fraud_xgb" / "config.pbtxt"))
+        # Native XGBoost as the runtime serves it: the same config with the xgboost runner.
+        native_dir = Path(tmp) / "native" / "1"
+        emit.package_version(native_dir, Artifact("native", "xgboost", "python", "model.json", model_file))
+        native_cfg = json.loads(json.dumps(selected_cfg))
+        params = native_cfg["parameters"]
+        params[rt.PARAM_RUNTIME] = {"string_value": "xgboost"}
+        params[rt.PARAM_ARTIFACT] = {"string_value": "model.json"}
+        params[rt.PARAM_THREADS] = {"string_value": "1"}
+        params.pop(rt.PARAM_OUTPUT_COLUMN, None)
+
         clf = xgb.XGBClassifier()
         clf.load_model(str(model_file))
-
-        def native_inplace(x: np.ndarray) -> np.ndarray:
-            return booster.inplace_predict(x).reshape(-1, 1)
 
         def native_predict_proba(x: np.ndarray) -> np.ndarray:
             return clf.predict_proba(x)[:, 1:2]
 
         X = np.load(args.models / "fraud_holdout.npz")["X"]
         ref = xgb.Booster(model_file=str(model_file)).predict(xgb.DMatrix(X))
-        diffs = {
-            f"selected ({sel.format})": float(np.abs(selected(X)[:, 0] - ref).max()),
-            "native inplace_predict": float(np.abs(native_inplace(X)[:, 0] - ref).max()),
-            "native predict_proba": float(np.abs(native_predict_proba(X)[:, 0] - ref).max()),
-        }
-        runners = {
-            f"selected ({sel.format})": selected,
-            "native inplace_predict": native_inplace,
-            "native predict_proba": native_predict_proba,
-        }
-        table = measure(runners, X, TimingPlan(batch_sizes=BATCHES, rounds=args.rounds, cell_budget_s=0.15, max_calls=2000, min_calls=5))
+        sel_key = f"selected ({sel.format})"
+        table: dict[str, dict[int, list[float]]] = {k: {b: [] for b in BATCHES} for k in (sel_key, "native inplace_predict", "native predict_proba")}
+        with RuntimeWorker() as worker:
+            worker.load(sel_key, "fraud_xgb", selected_dir, selected_cfg)
+            worker.load("native inplace_predict", "fraud_xgb", native_dir, native_cfg)
+            diffs = {k: float(np.abs(worker.execute(k, X, [len(X)])[0][:, 0] - ref).max()) for k in (sel_key, "native inplace_predict")}
+            diffs["native predict_proba"] = float(np.abs(native_predict_proba(X)[:, 0] - ref).max())
+            for r in range(args.rounds):  # worker rounds alternate with this process's rounds
+                for k, per in worker.measure([sel_key, "native inplace_predict"], X, list(BATCHES), rounds=1, cell_budget_s=0.15, max_calls=2000, min_calls=5, seed=r).items():
+                    for b, v in per.items():
+                        table[k][b].append(v)
+                for b in BATCHES:
+                    table["native predict_proba"][b].append(_median_us(native_predict_proba, np.ascontiguousarray(np.resize(X, (b, X.shape[1])))))
+        table = {k: {b: float(np.median(v)) for b, v in per.items()} for k, per in table.items()}
 
-    sel_key = f"selected ({sel.format})"
     ratios = {str(b): table["native inplace_predict"][b] / table[sel_key][b] for b in BATCHES}
     ratios_user = {str(b): table["native predict_proba"][b] / table[sel_key][b] for b in BATCHES}
     result = {
@@ -85,7 +93,8 @@ def main() -> None:
         "holdout_rows": int(len(X)),
         "selected": {"format": sel.format, "runtime": sel.runtime, "threads": sel.threads},
         "compile_candidates": {c.format: {"status": c.status, "latency_us": c.latency_us, "reason": c.reason} for c in report.candidates},
-        "method": f"one process, {args.rounds} interleaved rounds (shuffled order), median µs per call",
+        "method": f"{args.rounds} rounds; the selected and native runtimes interleaved in the server-environment worker, "
+        "predict_proba in the project process between them; median µs per call",
         "latency_us": {k: {str(b): round(v, 2) for b, v in per.items()} for k, per in table.items()},
         "rows_per_s": {k: {str(b): round(b / v * 1e6) for b, v in per.items()} for k, per in table.items()},
         "max_abs_diff_vs_source": diffs,
@@ -120,6 +129,19 @@ def main() -> None:
     print("\n".join(lines))
     for b in BATCHES:
         print(f"batch {b}: selected {sel.format} is {ratios[str(b)]:.2f}x native inplace_predict, {ratios_user[str(b)]:.2f}x predict_proba")
+
+
+def _median_us(fn, x: np.ndarray, budget_s: float = 0.15, max_calls: int = 2000) -> float:  # noqa: ANN001
+    import time
+
+    fn(x)
+    samples = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < 5 or (len(samples) < max_calls and time.perf_counter() < deadline):
+        t0 = time.perf_counter_ns()
+        fn(x)
+        samples.append((time.perf_counter_ns() - t0) / 1000.0)
+    return float(np.median(samples))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@ The real request path end to end: `FraudService.score` with features read from R
    `late`, and one still not started when the run ends counts as `unsent`: neither is hidden;
 3. every `window_s` (default 60 s): requests sent, answered, errors by exception class (an
    OverloadedError is an error too), degraded feature results (answered, with defaults),
-   p50/p99/max latency of the requests answered in the window, and resident memory (VmRSS) of
-   tritonserver, of its child processes (the Python backend stubs, summed) and of this process.
+   p50/p99/max latency of the requests answered in the window, resident memory (VmRSS) of
+   tritonserver, of its child processes (the Python backend stubs, summed) and of this process,
+   and CPU use (client, its event-loop thread, server, and the rest of the machine: on a shared
+   machine a stall of someone else's making must not pass for one of ours). The first message of
+   each error class is kept.
 
 Verdict (printed as PASS/FAIL; the exit code is 0 unless `--check`): no errors; tritonserver+stubs
 and client memory grew < 5% from the end of the second window (minute 2 at the default window)
@@ -614,9 +617,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--utilization", type=float, default=0.7, help="fraction of the measured maximum throughput (default 0.7)")
     ap.add_argument("--concurrency", type=int, default=16, help="closed-loop concurrency of the maximum-throughput phase")
     ap.add_argument("--max-seconds", type=float, default=15.0, help="length of the maximum-throughput phase")
-    ap.add_argument("--max-inflight", type=int, default=1024)
-    ap.add_argument("--late-after-ms", type=float, default=10.0)
-    ap.add_argument("--users", type=int, default=5000)
+    ap.add_argument("--max-inflight", type=int, default=1024, help="cap on requests in flight; a request waiting for a slot starts late")
+    ap.add_argument("--late-after-ms", type=float, default=10.0, help="a request started this long after its due time counts as late")
+    ap.add_argument("--users", type=int, default=5000, help="users materialized into Redis; requests pick among them")
     ap.add_argument("--out-name", help="results/<name>.{json,md} (default soak, or soak_short under 3 minutes)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS, help=f"where to write (default {RESULTS})")
     ap.add_argument("--recompile", action="store_true", help="run the compiler even when the workspace has the model")
