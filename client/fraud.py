@@ -14,6 +14,7 @@ from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import RequestValidationError
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
+from scorestack.serve.runtime.scorestack_runtime import PARAM_DECISION_THRESHOLD
 
 
 DEFAULT_THRESHOLD = 0.5
@@ -36,7 +37,7 @@ class FraudService(ScoringPath):
 
     `transaction` is a mapping with `user_id` and every field of `schema.FRAUD_REQUEST`. The
     decision threshold is the spec's `serving.decision_threshold`, which the compiler wrote into the
-    served model's config (`scorestack_decision_threshold`); pass `threshold` to override it.
+    served model's config (`PARAM_DECISION_THRESHOLD`); pass `threshold` to override it.
     """
 
     request_fields: tuple[str, ...] = schema.FRAUD_REQUEST
@@ -92,5 +93,5 @@ class FraudService(ScoringPath):
     async def _served_threshold(self) -> float:
         """The served model's decision threshold (metadata is cached by the client: no extra call)."""
         info = await self.triton.model_info(self.model, deadline_s=self.deadline_s)
-        raw = info.parameters.get("scorestack_decision_threshold", "")
+        raw = info.parameters.get(PARAM_DECISION_THRESHOLD, "")
         return float(raw) if raw.strip() else DEFAULT_THRESHOLD

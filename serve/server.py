@@ -302,10 +302,11 @@ class LocalTriton:
         assert self.view is not None
         index = self.repository_index()
         wanted = self.models if self.models is not None else list(self.view.models)
-        status = {n: index.get(n) or ModelStatus(n, False, reason=self._log_reason(n) or "not loaded") for n in wanted}
-        for n, st in list(status.items()):
-            if not st.ready and not st.reason:
-                status[n] = ModelStatus(n, False, reason=self._log_reason(n) or "not loaded")
+        status = {}
+        for n in wanted:
+            st = index.get(n)
+            ok = st is not None and (st.ready or st.reason)
+            status[n] = st if ok else ModelStatus(n, False, reason=self._log_reason(n) or "not loaded")
         for name, reason in self.view.skipped.items():
             if self.models is None or name in self.models:
                 status[name] = ModelStatus(name, False, reason=f"not served locally: {reason}")
