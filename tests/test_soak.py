@@ -1,8 +1,13 @@
-"""Soak, short mode: a minute of open-loop fraud traffic at 70% of the measured maximum, on the real stack.
+"""Soak, short mode: a minute of open-loop fraud traffic at half the measured maximum, on the real stack.
 
 Runs `benchmarks/soak.py`'s `run_soak` in-process against a real Triton serving the compiled demo
 fraud model, with features read from Redis through Feast. Asserts values, never wall-clock
 latency: every request answered (nothing lost, no error) and memory bounded over the minute.
+The 10-minute run at 70% (`benchmarks/soak.py`, results in benchmarks/results/soak.md) is where the
+issue's figures come from; here the rate is 50% of the maximum, because that maximum is the
+in-process Python client's (its event loop is ~95% busy at it, on the 2 cores it shares with the
+server) and at 70% a CI machine's hiccup turns into queue-policy rejections that say nothing about
+the server's stability.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from scorestack.serve.server import free_port
 
 N_USERS = 1000
 DURATION_S, WINDOW_S = 60.0, 10.0
+UTILIZATION = 0.5
 # Over one minute a little allocator and cache warm-up is normal; a leak of a few kB a request
 # is not: at ~1000 req/s for 40 s it would add well over 10% to tritonserver+stubs.
 MAX_SERVER_GROWTH = 1.10
@@ -51,7 +57,7 @@ def test_soak_short_every_request_answered_and_memory_bounded(compiled_demo, ser
     _, repository, _, _ = compiled_demo
     ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
     with LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **ports) as server:
-        result = soak.run_soak(DURATION_S, WINDOW_S, server=server, feature_repo=feature_repo, n_users=N_USERS, max_seconds=10.0)
+        result = soak.run_soak(DURATION_S, WINDOW_S, server=server, feature_repo=feature_repo, n_users=N_USERS, max_seconds=10.0, utilization=UTILIZATION)
 
     totals, windows = result["totals"], result["windows"]
     report = soak.render_markdown(result)  # the per-window table (CPU, lag, errors' first messages) on failure
