@@ -103,7 +103,7 @@ def _provisional_settings(spec: ModelSpec, threads: int) -> TritonSettings:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Candidate:
     artifact: registry.Artifact
     version_dir: Path  # a complete, servable version folder (artifact, runtime, SHA256SUMS)
@@ -123,10 +123,6 @@ def _load(worker: RuntimeWorker, spec: ModelSpec, model: SourceModel, cand: _Can
     return worker.load(_key(cand.artifact.format, threads), spec.name, cand.version_dir, emit.config_dict(cfg))
 
 
-def source_kind(model: SourceModel) -> str:
-    return f"{model.family} models ({model.description})"
-
-
 def _candidates(
     spec: ModelSpec, model: SourceModel, holdout: Holdout, workdir: Path, worker: RuntimeWorker
 ) -> tuple[list[CandidateReport], dict[str, _Candidate]]:
@@ -144,7 +140,7 @@ def _candidates(
     registered = registry.formats_for(model.family)
     for fmt in spec.formats or []:
         if fmt not in registered:
-            reports.append(CandidateReport(format=fmt, status="skipped", reason=f"no {fmt} converter for {source_kind(model)} (this family can become: {', '.join(registered)})"))
+            reports.append(CandidateReport(format=fmt, status="skipped", reason=f"no {fmt} converter for {model.family} models ({model.description}) (this family can become: {', '.join(registered)})"))
     for fmt in registered:
         if spec.formats is not None and fmt not in spec.formats:
             reports.append(CandidateReport(format=fmt, status="skipped", reason="not listed in the spec's `formats`"))
@@ -154,8 +150,7 @@ def _candidates(
         t0 = time.perf_counter()
         try:
             art = registry.converter_for(model.family, fmt)(model, fdir, ctx)
-            cand = _Candidate(art, fdir / "version", {})
-            cand.digests = emit.package_version(cand.version_dir, art)
+            cand = _Candidate(art, fdir / "version", emit.package_version(fdir / "version", art))
         except registry.Skip as exc:
             reports.append(CandidateReport(format=fmt, status="skipped", reason=str(exc)))
             continue
@@ -279,7 +274,8 @@ def compile_model(
         cpus = os.cpu_count() or 1
         lat = {int(b): v for b, v in best.latency_us.items()}
         settings = emit.derive_settings(spec, lat, best.threads or 1, cpus, gpu=art.backend == "tensorrt")
-        version = max(versions(dest), default=0) + 1
+        existing = versions(dest)
+        version = max(existing, default=0) + 1
         folder = staging / "repository" / spec.name
         shutil.copytree(chosen.version_dir, folder / str(version), symlinks=False)
         cfg = emit.write_config(folder, emit.build_config(spec, art, settings, _n_outputs(spec, model)))
@@ -335,7 +331,7 @@ def compile_model(
         if serve_check:
             report.serve_check = check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance)
             if report.serve_check.status != "passed":
-                previous = f"version {max(versions(dest))} stays in place" if versions(dest) else "nothing was written"
+                previous = f"version {existing[-1]} stays in place" if existing else "nothing was written"
                 raise VerificationError(
                     f"model {spec.name}: the {best.format} artifact verified in the server environment but failed the serving check "
                     f"in the local Triton: {report.serve_check.reason}; {previous}"

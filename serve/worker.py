@@ -82,7 +82,7 @@ class RuntimeWorker:
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        if proc.poll() is None:
+        if proc.poll() is None:  # ask it to quit; kill it if it does not
             try:
                 write_frame(proc.stdin, {"op": "quit"})
                 proc.wait(5)

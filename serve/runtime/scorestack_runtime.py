@@ -23,15 +23,6 @@ PARAM_OUTPUT_COLUMN = "scorestack_output_column"  # keep this column of a 2-D ra
 PARAM_METHOD = "scorestack_method"  # scikit-learn: predict_proba | predict
 PARAM_INTEGRITY = "scorestack_integrity"  # "sha256": SHA256SUMS must exist and match before loading
 PARAM_DECISION_THRESHOLD = "scorestack_decision_threshold"  # binary: read by clients, not by the runtime
-PARAMETERS = {
-    PARAM_RUNTIME: "runner for the artifact: " + ", ".join(("onnxruntime", "xgboost", "sklearn", "tl2cgen", "tensorrt")),
-    PARAM_ARTIFACT: "artifact file name inside the version folder",
-    PARAM_THREADS: "intra-op threads per model instance",
-    PARAM_OUTPUT_COLUMN: "column of a 2-D raw output that is the contract's output (binary predict_proba: 1)",
-    PARAM_METHOD: "scikit-learn method to call: predict_proba or predict",
-    PARAM_INTEGRITY: "'sha256': refuse to load unless every file listed in SHA256SUMS matches",
-    PARAM_DECISION_THRESHOLD: "binary models: probability at or above which a client decides positive",
-}
 
 # Files the compiler writes into every version folder besides the artifact.
 RUNTIME_FILES = ("model.py", "scorestack_runtime.py")
@@ -303,22 +294,14 @@ class ModelRuntime:
         model. A joined batch that fails is retried request by request, so one bad request does not
         fail its neighbours.
         """
+        if not self.batched or len(requests) == 1 or any(isinstance(r, Exception) for r in requests):
+            return [self._execute_one(r) for r in requests]  # nothing to join, or a request to isolate
         try:
-            per_request = [self.coerce(r) if not isinstance(r, Exception) else _raise(r) for r in requests]
-            if not self.batched:
-                raise ValueError("unbatched model: run requests one by one")
-        except Exception:  # noqa: BLE001 - fall back to one at a time, each with its own error
-            return [self._execute_one(r) for r in requests]
-        if len(per_request) == 1:  # nothing to join or split
-            try:
-                return [self.run(per_request[0], per_request[0][0][1].shape[0])]
-            except Exception:  # noqa: BLE001
-                return [self._execute_one(requests[0])]
-        sizes = [inputs[0][1].shape[0] for inputs in per_request]
-        joined = [(name, np.concatenate([inputs[i][1] for inputs in per_request], axis=0)) for i, (name, _) in enumerate(self.inputs)]
-        try:
+            per_request = [self.coerce(r) for r in requests]
+            sizes = [inputs[0][1].shape[0] for inputs in per_request]
+            joined = [(name, np.concatenate([inputs[i][1] for inputs in per_request], axis=0)) for i, (name, _) in enumerate(self.inputs)]
             outputs = self.run(joined, sum(sizes))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - retry one at a time, each with its own error
             return [self._execute_one(r) for r in requests]
         results = []
         start = 0
@@ -336,10 +319,6 @@ class ModelRuntime:
             return self.run(inputs, n_rows)
         except Exception as exc:  # noqa: BLE001 - reported per request, with the model's name
             return RuntimeError(f"model {self.name}: {type(exc).__name__}: {exc}")
-
-
-def _raise(exc):
-    raise exc
 
 
 def _dtype(name):
