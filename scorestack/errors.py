@@ -48,3 +48,15 @@ class RequestValidationError(ScorestackError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class AdminKeyError(ServerError):
+    """An admin call (model load/unload, statistics, trace, logging, shared memory) was refused or
+    cannot be made: the admin key is missing, wrong, or badly formed. The message says which.
+    A ServerError, so callers that handle a failed hot-swap handle a refused one too."""
+
+
+class TlsError(ScorestackError):
+    """A TLS connection to Triton failed: plaintext against TLS (or the reverse), a certificate not
+    signed by the trusted CA, an expired certificate, or a missing client certificate under mutual
+    TLS. The message says which and what to pass."""
