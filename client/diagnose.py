@@ -20,6 +20,7 @@ from pathlib import Path
 
 from scorestack.client.triton import TritonClient
 from scorestack.errors import InferenceError
+from scorestack.serve.security import AdminKey, ClientTls, load_admin_key
 
 ADVICE = {
     "features": "feature fetch dominates: cache slow-moving views, coalesce concurrent fetches, use the direct Redis reader for many entities (features/)",
@@ -46,7 +47,18 @@ class ServerSnapshot:
 
 
 async def server_snapshot(triton: TritonClient, model: str) -> ServerSnapshot:
-    stats = await triton.grpc.get_inference_statistics(model, as_json=True, client_timeout=5)
+    """Triton's statistics API is restricted on a server started with an admin key: send it (triton.admin_key)."""
+    from tritonclient.utils import InferenceServerException
+
+    from scorestack.serve.control import admin_refusal
+
+    try:
+        stats = await triton.grpc.get_inference_statistics(model, headers=triton.admin_headers, as_json=True, client_timeout=5)
+    except InferenceServerException as exc:
+        message = exc.message() or str(exc)
+        if "restricted" in message.lower():
+            raise admin_refusal(triton.url, triton.admin_key, f"the statistics of model {model!r}", message) from exc
+        raise InferenceError(f"model {model!r}: statistics unavailable from Triton at {triton.url}: {message}") from exc
     s = stats["model_stats"][0]
     inf = s.get("inference_stats", {})
 
@@ -219,8 +231,14 @@ async def run_diagnosis(
     ranking_model: str = "ranking_xgb",
     n_users: int = 5000,
     n_items: int = 2000,
+    tls: ClientTls | None = None,
+    admin_key: AdminKey | None = None,
 ) -> list[Breakdown]:
-    """Send demo fraud and ranking traffic through the real services and break down where time went."""
+    """Send demo fraud and ranking traffic through the real services and break down where time went.
+
+    Reading Triton's statistics needs the admin key on a restricted server: `admin_key`, else
+    $SCORESTACK_ADMIN_KEY / $SCORESTACK_ADMIN_KEY_FILE. TLS: `tls`, else $SCORESTACK_TLS_DIR.
+    """
     import numpy as np
 
     from scorestack import demo_data
@@ -232,7 +250,9 @@ async def run_diagnosis(
     rng = np.random.default_rng(5)
     fraud_fields = demo_data.make_fraud_requests(n_fraud + 20, seed=99)
     context = demo_data.make_ranking_context(n_ranking + 20, seed=98)
-    async with TritonClient(grpc_url, deadline_s=2.0) as triton:
+    key = load_admin_key(admin_key)
+    tls = tls or ClientTls.from_env()
+    async with TritonClient(grpc_url, deadline_s=2.0, tls=tls, admin_key=key) as triton:
         async with FeatureFetcher.from_repo(feature_repo, timeout_s=0.05) as fetcher:
             fraud = FraudService(triton, fetcher, model=fraud_model)
             ranking = RankingService(triton, fetcher, model=ranking_model)

@@ -1,4 +1,4 @@
-"""Async gRPC inference against Triton: one channel, deadlines, retries on UNAVAILABLE, checked inputs."""
+"""Async gRPC inference against Triton: one channel (plaintext or TLS), deadlines, retries on UNAVAILABLE, checked inputs."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ import numpy as np
 import tritonclient.grpc.aio as aiogrpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from scorestack.errors import InferenceError, OverloadedError, RequestValidationError
+from scorestack import limits
+from scorestack.errors import InferenceError, OverloadedError, RequestValidationError, TlsError
+from scorestack.serve.security import AdminKey, ClientTls, diagnose_tls
 
 DEFAULT_DEADLINE_S = 1.0
-_MAX_MESSAGE = 2**31 - 1
 _CHANNEL_ARGS = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    # The request-size bound of scorestack.limits: larger messages are refused by the channel itself.
+    ("grpc.max_send_message_length", limits.MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES),
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.min_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 500),
@@ -69,6 +71,11 @@ def _is_rejection(exc: InferenceServerException) -> bool:
     return any(s in text for s in _QUEUE_REJECTIONS)
 
 
+def _mentions_tls(exc: InferenceServerException) -> bool:
+    text = str(exc).lower()
+    return any(s in text for s in ("ssl", "tls", "handshake", "certificate"))
+
+
 def _is_unavailable(exc: InferenceServerException) -> bool:
     """Triton could not be reached (callers test `_is_rejection` first: it is UNAVAILABLE too)."""
     status = _status(exc)
@@ -79,9 +86,15 @@ def _is_unavailable(exc: InferenceServerException) -> bool:
 class TritonClient:
     """One gRPC channel to Triton per process, reused by every request.
 
-    `infer` checks names, shapes and dtypes against the model's metadata (fetched once) before
-    sending, applies a deadline to every call, retries only UNAVAILABLE with jittered backoff
-    inside that deadline, and raises InferenceError naming the model.
+    `infer` checks names, shapes, dtypes and the size limits (scorestack.limits) against the
+    model's metadata (fetched once) before sending, applies a deadline to every call, retries only
+    UNAVAILABLE with jittered backoff inside that deadline, and raises InferenceError naming the model.
+
+    With `tls` the channel is TLS (mutual when `tls` has a client certificate). A connection that
+    fails at the TLS layer (plaintext against TLS or the reverse, wrong CA, expired certificate,
+    missing client certificate) raises TlsError saying which, at once instead of being retried.
+    `admin_key` is sent only on admin calls (`admin_headers`, e.g. statistics for diagnosis), never
+    on inference.
     """
 
     def __init__(
@@ -91,14 +104,18 @@ class TritonClient:
         deadline_s: float = DEFAULT_DEADLINE_S,
         max_retries: int = 20,
         backoff_s: float = 0.01,
+        tls: ClientTls | None = None,
+        admin_key: AdminKey | None = None,
     ) -> None:
         self.url = url
+        self.tls = tls
+        self.admin_key = admin_key
         self.deadline_s = deadline_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         # Short reconnect backoff: after a Triton restart the channel comes back within ~0.1-1 s
         # instead of gRPC's default (1 s growing to 120 s), without rebuilding the client.
-        self._client = aiogrpc.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
+        self._client = aiogrpc.InferenceServerClient(url, channel_args=_CHANNEL_ARGS, **(tls.grpc_kwargs() if tls else {}))
         self._models: dict[str, ModelInfo] = {}
 
     async def __aenter__(self) -> "TritonClient":
@@ -113,6 +130,11 @@ class TritonClient:
     @property
     def grpc(self) -> aiogrpc.InferenceServerClient:
         return self._client
+
+    @property
+    def admin_headers(self) -> dict[str, str] | None:
+        """Headers for Triton's restricted APIs (statistics, repository, ...): the admin key, if given."""
+        return self.admin_key.grpc_headers if self.admin_key else None
 
     async def is_ready(self, timeout_s: float = 1.0) -> bool:
         try:
@@ -162,6 +184,9 @@ class TritonClient:
                 raise RequestValidationError(name, f"shape {list(array.shape)} does not match model {info.name!r} ({list(tensor.shape)}, -1 = any)")
             if info.max_batch_size and array.shape[0] > info.max_batch_size:
                 raise RequestValidationError(name, f"batch of {array.shape[0]} exceeds model {info.name!r} max_batch_size {info.max_batch_size}; split it")
+            if info.max_batch_size and array.ndim:
+                limits.check_rows(int(array.shape[0]), what=name)
+            limits.check_tensor_bytes(name, int(array.nbytes))
 
     async def infer(
         self,
@@ -206,9 +231,17 @@ class TritonClient:
                 raise InferenceError(f"model {model!r}: response has no output {n!r}")
         return InferResult(out, (time.perf_counter() - start) * 1e3, attempts)
 
+    async def _tls_problem(self, deadline: float) -> str | None:
+        """After a connection failure: is it TLS (and which), or a server that is down? Bounded by the deadline."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0.01:
+            return None
+        return await asyncio.to_thread(diagnose_tls, self.url, self.tls, min(remaining, 1.0))
+
     async def _retrying(self, model: str, deadline: float, call):
         attempt = 0
         last: str = ""
+        probed = False
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -228,6 +261,12 @@ class TritonClient:
                         "waited past the model's queue timeout or the queue was full; add instances, raise "
                         "the spec's latency budget, or send less load"
                     ) from exc
+                if not probed and (_is_unavailable(exc) or _mentions_tls(exc)):
+                    # Once per call: a TLS mismatch never heals by retrying; a restarting server does.
+                    probed = True
+                    problem = await self._tls_problem(deadline)
+                    if problem:
+                        raise TlsError(f"model {model!r}: {problem}") from exc
                 if _is_unavailable(exc) and attempt < self.max_retries:
                     attempt += 1
                     last = exc.message() or str(exc)

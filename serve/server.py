@@ -20,8 +20,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from scorestack.errors import ConfigError, ServerError
+from scorestack.errors import AdminKeyError, ConfigError, ServerError
 from scorestack.serve.environment import ServerEnvironment, ensure_server_environment
+from scorestack.serve.security import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, ADMIN_KEY_HEADER, RESTRICTED_APIS, AdminKey, ServerTls, is_loopback
 from scorestack.serve.view import LocalView, build_local_view, render_model
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,12 @@ class LocalTriton:
     thread), and orphans of a supervisor that was killed are stopped at the next start.
     With `watch_interval_s`, changes in the repository (a new version, a new model) are rendered
     and loaded while serving (`sync()`), which is how a recompiled model is hot-swapped.
+
+    With `admin_key`, Triton's model-repository, shared-memory, statistics, trace and logging APIs
+    (serve.security.RESTRICTED_APIS) answer only calls carrying the key's header, on gRPC and HTTP;
+    this object's own admin calls send it. With `tls`, gRPC is served over TLS (mutual with
+    `tls.mutual`); Triton's HTTP frontend has no TLS, so it is then bound to 127.0.0.1 only and
+    serves this object's health and repository calls.
     """
 
     def __init__(
@@ -147,6 +154,9 @@ class LocalTriton:
         log_verbose: int = 0,
         strict: bool = False,
         watch_interval_s: float | None = None,
+        admin_key: AdminKey | None = None,
+        tls: ServerTls | None = None,
+        restricted_apis: tuple[str, ...] = RESTRICTED_APIS,
     ) -> None:
         self.repository = Path(repository).resolve()
         self.host = host
@@ -162,6 +172,11 @@ class LocalTriton:
         self.shm_prefix = f"scorestack_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         self.strict = strict
         self.watch_interval_s = watch_interval_s
+        self.admin_key = admin_key
+        self.tls = tls
+        self.restricted_apis = restricted_apis
+        # Triton's HTTP frontend speaks plaintext only: with TLS on gRPC it stays on loopback.
+        self.http_host = "127.0.0.1" if tls is not None and not is_loopback(host) else host
         self.process: subprocess.Popen[bytes] | None = None
         self.view: LocalView | None = None
         self.model_status: dict[str, ModelStatus] = {}
@@ -178,7 +193,7 @@ class LocalTriton:
 
     @property
     def http_url(self) -> str:
-        return f"{self.host}:{self.http_port}"
+        return f"{self.http_host}:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:
@@ -269,7 +284,8 @@ class LocalTriton:
     # -- models ------------------------------------------------------------------------------
     def _http(self, method: str, path: str, body: dict | None = None, timeout_s: float = 10.0) -> tuple[int, object]:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method=method, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", **(self.admin_key.http_headers if self.admin_key else {})}
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 raw = r.read()
@@ -277,9 +293,12 @@ class LocalTriton:
         except urllib.error.HTTPError as exc:
             raw = exc.read()
             try:
-                return exc.code, json.loads(raw)
+                code, answer = exc.code, json.loads(raw)
             except ValueError:
-                return exc.code, {"error": raw.decode(errors="replace")}
+                code, answer = exc.code, {"error": raw.decode(errors="replace")}
+            if code == 403 and "restricted" in str(answer).lower():
+                raise AdminKeyError(f"Triton at {self.http_url} refused {path}: {'the admin key is wrong' if self.admin_key else 'no admin key was sent'} (header {ADMIN_KEY_HEADER!r})")
+            return code, answer
 
     def repository_index(self) -> dict[str, ModelStatus]:
         """Every model Triton knows of, with its state and Triton's reason when it is not ready."""
@@ -445,7 +464,7 @@ class LocalTriton:
             f"--backend-directory={backends}",
             f"--cache-directory={env.cache_dir}",
             "--model-control-mode=explicit",
-            f"--http-address={self.host}",
+            f"--http-address={self.http_host}",
             f"--http-port={self.http_port}",
             f"--grpc-address={self.host}",
             f"--grpc-port={self.grpc_port}",
@@ -461,6 +480,11 @@ class LocalTriton:
             f"--strict-readiness={'true' if self.strict else 'false'}",
             f"--log-verbose={self.log_verbose}",
         ]
+        if self.tls is not None:
+            args += self.tls.triton_args()
+        if self.admin_key is not None:
+            # Triton takes the key only here, on its command line (README: threat model).
+            args += self.admin_key.triton_args(self.restricted_apis)
         names = self.models if self.models is not None else list(self.view.models)
         known = set(self.view.models) | set(self.view.skipped)
         unknown = sorted(set(names) - known)
@@ -470,6 +494,9 @@ class LocalTriton:
         self._log_file = open(self.log_path, "ab")
         launch_env = env.launch_env()
         launch_env[SUPERVISOR_ENV] = _supervisor_tag(os.getpid())
+        # Triton and its stubs need no key in their environment; keep it out of /proc/<pid>/environ.
+        launch_env.pop(ADMIN_KEY_ENV, None)
+        launch_env.pop(ADMIN_KEY_FILE_ENV, None)
         # The parent-death signal fires when the forking *thread* exits: only tie it from the main thread.
         main = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(
