@@ -16,21 +16,25 @@ import subprocess
 import sys
 import sysconfig
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from scorestack import paths
 from scorestack.errors import PlatformError, ServerError
 
-# What the model runtime needs inside Triton. Versions seen co-installable with numpy<2.
-SERVER_REQUIREMENTS: tuple[str, ...] = (
-    "nvidia-pytriton==0.7.0",
-    "numpy==1.26.4",
-    "onnxruntime==1.31.1",
-    "scikit-learn==1.9.1",
-    "xgboost-cpu==3.2.0",
-    "tl2cgen==1.0.0",
-    "threadpoolctl==3.8.0",  # the runtime raises OpenMP's thread cap for multi-threaded TL2cgen instances
-)
+
+def read_requirements(path: Path) -> tuple[str, ...]:
+    """The pins of a requirements file, in order (comments and blank lines dropped)."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return tuple(line for line in lines if line)
+
+
+# What the model runtime needs inside Triton: one file, also installed into the Triton container
+# image (deploy/triton/Dockerfile). Locally the wheel that carries tritonserver comes first.
+RUNTIME_REQUIREMENTS_FILE = Path(str(resources.files("scorestack.serve.runtime") / "requirements.txt"))
+TRITON_WHEEL = "nvidia-pytriton==0.7.0"  # ships Triton 2.51.0 (the release of the 24.10 container)
+SERVER_REQUIREMENTS: tuple[str, ...] = (TRITON_WHEEL, *read_requirements(RUNTIME_REQUIREMENTS_FILE))
+
 MIN_GLIBC = (2, 35)
 DOCKER_HINT = (
     "Run the docker-compose stack instead (`docker compose up` in the repository root), which uses "
