@@ -11,7 +11,7 @@ import asyncio
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Hashable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -21,26 +21,45 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ViewSpec:
-    """One feature view as the fetch layer reads it (built from the applied Feast registry)."""
+    """One feature view as the fetch layer reads it (built from the applied Feast registry).
+
+    `features` are only those some served feature service projects (or one of its on-demand views
+    reads): a view may hold Map, Json or String fields that no model input needs, and those are
+    never read or converted.
+    """
 
     name: str
-    join_key: str
+    join_keys: tuple[str, ...]  # the view's entity columns; several for a compound key
+    key_types: tuple[str, ...]  # Feast type of each join key: Int64, Int32 or String
     features: tuple[str, ...]
+    types: tuple[str, ...]  # Feast type of each feature (all numeric)
     defaults: np.ndarray  # float32, one per feature
     ttl_s: float  # 0: never stale
     cache_ttl_s: float  # 0: never cached
+
+    def entities(self, columns: Mapping[str, Sequence]) -> list:
+        """Per row, the entity of this view: the key's value, or a tuple of values for a compound key."""
+        if len(self.join_keys) == 1:
+            return list(columns[self.join_keys[0]])
+        return list(zip(*(columns[k] for k in self.join_keys)))
+
+    def probe_entity(self):
+        """Some valid entity of this view's key types (for a warm-up read)."""
+        values = tuple("" if t == "String" else 0 for t in self.key_types)
+        return values[0] if len(values) == 1 else values
 
 
 class Row(NamedTuple):
     """One entity's stored values for one view."""
 
-    values: np.ndarray  # float32 [n_features]
+    values: np.ndarray  # float64 [n_features] (int64 counts stay exact up to 2**53 for transformations)
     found: np.ndarray  # bool [n_features]
     event_ts: float  # epoch seconds; NaN when unknown
 
 
-Wanted = Mapping[str, Sequence[int]]  # view name -> unique entity ids
-Rows = dict[str, list["Row | None"]]  # view name -> rows aligned with the ids asked
+Entity = Hashable  # a join-key value, or a tuple of them for a compound key
+Wanted = Mapping[str, Sequence[Entity]]  # view name -> unique entities
+Rows = dict[str, list["Row | None"]]  # view name -> rows aligned with the entities asked
 
 
 class Backend:
@@ -65,48 +84,80 @@ class Backend:
 # --- Feast SDK ------------------------------------------------------------------------------------
 
 
-def _feast_request(views: Mapping[str, ViewSpec], wanted: Wanted) -> tuple[list[str], dict[str, list[int]]]:
-    """Feature refs and columnar entity rows for one Feast call covering every view asked.
+class _FeastCall(NamedTuple):
+    refs: list[str]
+    columns: dict[str, list]  # join key -> values, equal lengths (Feast's columnar entity rows)
+    position: dict[str, dict]  # view -> entity -> index in the columns
 
-    Views keyed by different join keys (user, item) ask for different numbers of entities; the
-    shorter columns are padded by repeating their last id, which Feast de-duplicates per view.
+
+def _feast_calls(views: Mapping[str, ViewSpec], wanted: Wanted) -> list[_FeastCall]:
+    """Feature refs and columnar entity rows for as few Feast calls as cover every view asked.
+
+    Views of the same join keys share their entity list. Views keyed by disjoint join keys (user,
+    item) go into one call: their different numbers of entities are padded by repeating the last,
+    which Feast de-duplicates per view. Views whose keys overlap without being equal (user, and
+    user + merchant) cannot share rows and get a call of their own.
     """
-    refs: list[str] = []
-    columns: dict[str, list[int]] = {}
-    for name, ids in wanted.items():
-        spec = views[name]
-        refs += [f"{name}:{f}" for f in spec.features]
-        column = columns.setdefault(spec.join_key, [])
-        seen = set(column)
-        column += [i for i in ids if i not in seen]
-    length = max(len(c) for c in columns.values())
-    for column in columns.values():
-        column += [column[-1]] * (length - len(column))
-    return refs, columns
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name in wanted:
+        groups.setdefault(views[name].join_keys, []).append(name)
+    buckets: list[list[tuple[str, ...]]] = []
+    for keys in groups:
+        for bucket in buckets:
+            if not any(set(keys) & set(other) for other in bucket):
+                bucket.append(keys)
+                break
+        else:
+            buckets.append([keys])
+    calls = []
+    for bucket in buckets:
+        refs: list[str] = []
+        position: dict[str, dict] = {}
+        entity_lists = {}
+        for keys in bucket:
+            entities = list(dict.fromkeys(e for v in groups[keys] for e in wanted[v]))
+            index = {e: i for i, e in enumerate(entities)}
+            for v in groups[keys]:
+                refs += [f"{v}:{f}" for f in views[v].features]
+                position[v] = index
+            entity_lists[keys] = entities
+        length = max(len(e) for e in entity_lists.values())
+        columns: dict[str, list] = {}
+        for keys, entities in entity_lists.items():
+            entities = entities + [entities[-1]] * (length - len(entities))
+            if len(keys) == 1:
+                columns[keys[0]] = entities
+            else:
+                for j, key in enumerate(keys):
+                    columns[key] = [e[j] for e in entities]
+        calls.append(_FeastCall(refs, columns, position))
+    return calls
 
 
-def _parse_feast_response(views: Mapping[str, ViewSpec], wanted: Wanted, columns: dict[str, list[int]], response) -> Rows:
+_NUMERIC_KINDS = frozenset(("float_val", "double_val", "int32_val", "int64_val", "bool_val"))
+
+
+def _parse_feast_response(views: Mapping[str, ViewSpec], wanted: Wanted, call: _FeastCall, response, out: Rows) -> None:
+    """Rows of the views of one call, from Feast's response protobuf (only the features asked)."""
     from feast.protos.feast.serving.ServingService_pb2 import FieldStatus
 
     proto = response.proto
     index = {name: i for i, name in enumerate(proto.metadata.feature_names.val)}
     present = (FieldStatus.PRESENT, FieldStatus.OUTSIDE_MAX_AGE)
-    out: Rows = {}
-    for name, ids in wanted.items():
+    for name, position in call.position.items():
         spec = views[name]
-        position = {v: i for i, v in enumerate(columns[spec.join_key])}
         results = [proto.results[index[f"{name}__{f}"]] for f in spec.features]
         rows: list[Row | None] = []
-        for entity in ids:
+        for entity in wanted[name]:
             i = position[entity]
-            values = np.empty(len(results), dtype=np.float32)
+            values = np.zeros(len(results), dtype=np.float64)
             found = np.zeros(len(results), dtype=bool)
             event_ts = math.nan
             for j, result in enumerate(results):
                 if result.statuses[i] in present:
                     value = result.values[i]
                     kind = value.WhichOneof("val")
-                    if kind is not None:
+                    if kind in _NUMERIC_KINDS:
                         values[j] = getattr(value, kind)
                         found[j] = True
                     ts = result.event_timestamps[i]
@@ -114,7 +165,6 @@ def _parse_feast_response(views: Mapping[str, ViewSpec], wanted: Wanted, columns
                         event_ts = ts.seconds + ts.nanos * 1e-9
             rows.append(Row(values, found, event_ts) if found.any() else None)
         out[name] = rows
-    return out
 
 
 class FeastAsyncBackend(Backend):
@@ -144,9 +194,14 @@ class FeastAsyncBackend(Backend):
 
     async def read(self, wanted: Wanted) -> Rows:
         self.round_trips += 1
-        refs, columns = _feast_request(self.views, wanted)
-        response = await self.store.get_online_features_async(features=refs, entity_rows=columns, full_feature_names=True)
-        return _parse_feast_response(self.views, wanted, columns, response)
+        calls = _feast_calls(self.views, wanted)
+        responses = await asyncio.gather(
+            *(self.store.get_online_features_async(features=c.refs, entity_rows=c.columns, full_feature_names=True) for c in calls)
+        )
+        out: Rows = {}
+        for call, response in zip(calls, responses):
+            _parse_feast_response(self.views, wanted, call, response, out)
+        return out
 
 
 class FeastThreadBackend(Backend):
@@ -169,9 +224,11 @@ class FeastThreadBackend(Backend):
             self._executor = None
 
     def _read_sync(self, wanted: Wanted) -> Rows:
-        refs, columns = _feast_request(self.views, wanted)
-        response = self.store.get_online_features(features=refs, entity_rows=columns, full_feature_names=True)
-        return _parse_feast_response(self.views, wanted, columns, response)
+        out: Rows = {}
+        for call in _feast_calls(self.views, wanted):
+            response = self.store.get_online_features(features=call.refs, entity_rows=call.columns, full_feature_names=True)
+            _parse_feast_response(self.views, wanted, call, response, out)
+        return out
 
     async def read(self, wanted: Wanted) -> Rows:
         if self._executor is None:
@@ -202,7 +259,7 @@ class DirectRedisBackend(Backend):
         self._connection_string = connection_string
         self._client = None
         self._encoders = {
-            spec.join_key: redis_layout.Int64KeyEncoder(spec.join_key, project, entity_key_serialization_version)
+            spec.join_keys: redis_layout.entity_key_encoder(spec.join_keys, spec.key_types, project, entity_key_serialization_version)
             for spec in self.views.values()
         }
         self._fields = {name: [redis_layout.field_key(name, f) for f in spec.features] for name, spec in self.views.items()}
@@ -270,10 +327,11 @@ class DirectRedisBackend(Backend):
         if self._client is None:
             raise RuntimeError("direct backend used before start()")
         self.round_trips += 1
-        # Group the views by entity: one HMGET per entity reads every view asked of it.
-        groups: dict[str, tuple[list[str], dict[int, None]]] = {}
+        # Group the views by entity key: Feast keeps every view of one entity key in one hash, so
+        # one HMGET per entity reads every view asked of it.
+        groups: dict[tuple[str, ...], tuple[list[str], dict[Entity, None]]] = {}
         for name, ids in wanted.items():
-            views, entity_ids = groups.setdefault(self.views[name].join_key, ([], {}))
+            views, entity_ids = groups.setdefault(self.views[name].join_keys, ([], {}))
             views.append(name)
             entity_ids.update(dict.fromkeys(ids))
         plan = []
@@ -303,7 +361,7 @@ class DirectRedisBackend(Backend):
                 view_values = values[:, column : column + width]
                 view_found = found[:, column : column + width]
                 exists = view_found.any(axis=1).tolist()
-                rows_by_id: dict[int, Row | None] = {
+                rows_by_id: dict[Entity, Row | None] = {
                     entity: Row(view_values[r], view_found[r], decode_timestamp(block[r][n_values + k])) if exists[r] else None
                     for r, entity in enumerate(entity_ids)
                 }

@@ -60,3 +60,16 @@ class TlsError(ScorestackError):
     """A TLS connection to Triton failed: plaintext against TLS (or the reverse), a certificate not
     signed by the trusted CA, an expired certificate, or a missing client certificate under mutual
     TLS. The message says which and what to pass."""
+
+
+class InputValidationError(FeatureError, RequestValidationError):
+    """An entity id, entity row or request field is invalid (scorestack.validation, the one rule
+    shared by the fetch layer and the request paths); ``field`` names it. Caught as either parent."""
+
+    def __init__(self, field: str, message: str) -> None:
+        RequestValidationError.__init__(self, field, message)
+
+
+class FeatureServiceError(FeatureError):
+    """A feature service cannot be served as numeric model inputs (e.g. it outputs a String or Map
+    feature); the message names the service, the feature and its type. Other services still work."""
