@@ -1,0 +1,573 @@
+"""The deployments: the compose stack, the images and the Kubernetes manifests, checked statically
+(no Docker engine or cluster here), and what they serve checked for real in the local Triton."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path, PurePosixPath
+
+import jsonschema
+import kubernetes_validate
+import numpy as np
+import promql_parser
+import pytest
+import typer
+import yaml
+
+from scorestack import schema
+from scorestack.serve import LocalTriton
+from scorestack.serve.environment import RUNTIME_REQUIREMENTS_FILE, SERVER_REQUIREMENTS, TRITON_WHEEL, read_requirements, requirements_hash
+from scorestack.serve.security import ADMIN_KEY_ENV, ADMIN_KEY_HEADER, RESTRICTED_APIS, AdminKey
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+TEST_KEY = "deploy-test-key-0123456789abcdef"
+# The Kubernetes API versions the manifests must validate against: an older supported one and the
+# newest that kubernetes-validate bundles.
+K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+# Facts of the official Triton releases (NVIDIA's release notes and the server's build.py): the
+# Triton core each container carries and the Python its Python backend runs.
+TRITON_CONTAINERS = {"24.10": ("2.51.0", "3.10"), "24.11": ("2.52.0", "3.12")}
+LOCAL_TRITON = "2.51.0"  # in nvidia-pytriton 0.7.0 (PLATFORM_NOTES)
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+_VAR = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\})")
+
+
+def interpolate(value: object, env: dict[str, str]) -> object:
+    """Compose's variable interpolation for the forms the stack uses: ${V}, ${V:-d}, ${V-d}, ${V:?e}, ${V?e}, $$."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group("name"), m.group("op"), m.group("arg")
+        have = env.get(name)
+        unset = have is None or (op is not None and op.startswith(":") and have == "")
+        if op is not None and op.endswith("?") and unset:
+            raise ValueError(f"required variable {name} is missing a value: {arg}")
+        if op is not None and op.endswith("-") and unset:
+            return arg
+        return have or ""
+
+    return _VAR.sub(sub, value)
+
+
+def compose(env: dict[str, str] | None = None) -> dict:
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return interpolate(raw, {ADMIN_KEY_ENV: TEST_KEY} if env is None else env)  # type: ignore[return-value]
+
+
+def scorestack_commands(entrypoint: list[str] | None, command: list[str] | str) -> list[list[str]]:
+    """The scorestack argument lists a service or container runs (through `sh -c` where it globs)."""
+    cmd = [command] if isinstance(command, str) else list(command)
+    if entrypoint in (["sh", "-c"], ["/bin/sh", "-c"]):
+        script = " ".join(cmd)
+        runs = [shlex.split(part) for part in script.split("&&")]
+        assert all(r and r[0] == "scorestack" for r in runs), f"a shell step that is not scorestack: {script}"
+        return [r[1:] for r in runs]
+    assert entrypoint in (None, ["scorestack"]), entrypoint
+    return [cmd]
+
+
+def parse_cli(argv: list[str]) -> list[str]:
+    """Parse argv with the real `scorestack` command line (types, required options, choices), without
+    running it; return the sub-command path."""
+    from scorestack.cli import app
+
+    cmd = typer.main.get_command(app)
+    ctx = cmd.make_context("scorestack", list(argv))
+    path: list[str] = []
+    while hasattr(cmd, "resolve_command"):  # a group (typer ships its own copy of click)
+        # What the group's invoke() resolves next (typer.core.TyperGroup.invoke).
+        rest = [*ctx._protected_args, *ctx.args]
+        if not rest:
+            assert cmd.invoke_without_command, f"`scorestack {' '.join(path)}` needs a sub-command"
+            break
+        name, sub, args = cmd.resolve_command(ctx, rest)
+        assert sub is not None, f"no scorestack command {rest[0]!r}"
+        path.append(name)
+        ctx = sub.make_context(name, args, parent=ctx)
+        cmd = sub
+    return path
+
+
+# typer's own click: the parser's usage errors (a misspelled flag, a bad value).
+UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+def dockerignored(rel: str) -> bool:
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    parts = PurePosixPath(rel).parts
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.removeprefix("**/")) for pat in patterns for p in prefixes)
+
+
+def pinned(image: str) -> bool:
+    name, _, tag = image.rpartition(":")
+    return bool(name) and "/" not in tag and tag not in ("", "latest") and bool(re.search(r"\d", tag))
+
+
+def k8s_documents() -> dict[str, list[dict]]:
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    return {name: [d for d in yaml.safe_load_all((K8S / name).read_text()) if d] for name in kust["resources"]}
+
+
+def pod_specs(docs: list[dict]) -> list[dict]:
+    specs = []
+    for d in docs:
+        if d["kind"] in ("Deployment", "Job"):
+            specs.append(d["spec"]["template"]["spec"])
+    return specs
+
+
+def host_port(mapping: str) -> tuple[str, int, int]:
+    ip, host, container = mapping.split(":")
+    return ip, int(host), int(container)
+
+
+# --- one source of truth for the runtime's pins -------------------------------------------------------
+
+
+def test_triton_image_installs_exactly_the_server_environments_pins():
+    pins = read_requirements(RUNTIME_REQUIREMENTS_FILE)
+    assert SERVER_REQUIREMENTS == (TRITON_WHEEL, *pins)
+    assert requirements_hash() == requirements_hash(("nvidia-pytriton==0.7.0", "numpy==1.26.4", "onnxruntime==1.31.1", "scikit-learn==1.9.1", "xgboost-cpu==3.2.0", "tl2cgen==1.0.0", "threadpoolctl==3.8.0"))
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][A-Za-z0-9.]*", p) for p in pins), pins
+    assert not any(p.startswith("nvidia-pytriton") for p in pins), "the official image has tritonserver"
+
+    steps = dockerfile_instructions(ROOT / "deploy" / "triton" / "Dockerfile")
+    rel = RUNTIME_REQUIREMENTS_FILE.relative_to(ROOT).as_posix()
+    copies = [rest.split() for op, rest in steps if op == "COPY"]
+    assert [rel, "/opt/scorestack/runtime-requirements.txt"] in copies
+    assert not dockerignored(rel)
+    installs = [rest for op, rest in steps if op == "RUN" and "pip install" in rest]
+    assert len(installs) == 1 and "-r /opt/scorestack/runtime-requirements.txt" in installs[0]
+    # Nothing else is pip-installed by name: the file is the only list.
+    assert not re.search(r"pip install[^&]*\b[a-z-]+==", installs[0])
+
+
+def test_triton_base_image_runs_the_runtime_pins():
+    (base,) = [rest for op, rest in dockerfile_instructions(ROOT / "deploy" / "triton" / "Dockerfile") if op == "FROM"]
+    m = re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d\d\.\d\d)-py3", base)
+    assert m, f"the Triton image must be an official tritonserver release, pinned: {base}"
+    release = m.group(1)
+    triton, python = TRITON_CONTAINERS[release]
+
+    def resolves(python_version: str) -> subprocess.CompletedProcess:
+        platforms = [f"--platform=manylinux_2_{minor}_x86_64" for minor in range(17, 40)] + ["--platform=manylinux2014_x86_64"]
+        cmd = [
+            sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--only-binary=:all:",
+            f"--python-version={python_version}", "--implementation=cp", *platforms, "--target", "/nonexistent", "-r", str(RUNTIME_REQUIREMENTS_FILE),
+        ]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+    # The pins resolve for the image's Python (binary wheels only, as in the image build) ...
+    ok = resolves(python)
+    assert ok.returncode == 0, f"runtime pins do not install on Triton {release}'s Python {python}:\n{ok.stderr[-2000:]}"
+    # ... and do not for the release of the local server's Triton core (why it is not pinned).
+    if triton != LOCAL_TRITON:
+        local_release = next(r for r, (t, _) in TRITON_CONTAINERS.items() if t == LOCAL_TRITON)
+        bad = resolves(TRITON_CONTAINERS[local_release][1])
+        assert bad.returncode != 0 and "onnxruntime==1.31.1" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_scorestack_image():
+    steps = dockerfile_instructions(ROOT / "Dockerfile")
+    froms = [rest for op, rest in steps if op == "FROM"]
+    assert froms and all(pinned(f) and "slim" in f for f in froms), froms
+    assert ("ENTRYPOINT", '["scorestack"]') in steps
+    users = [rest for op, rest in steps if op == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    for op, rest in steps:
+        if op == "COPY":
+            *sources, _ = rest.split()
+            for src in sources:
+                assert (ROOT / src).exists() and not dockerignored(src.rstrip("/")), src
+    run = " ".join(rest for op, rest in steps if op == "RUN")
+    assert 'torch==2.13.0' in run and "whl/cpu" in run, "torch must be the pinned CPU build"
+    assert "scorestack server-env" in run, "compile verifies in the server environment: it must be in the image"
+    # The Triton image stays on the official image's non-root user.
+    assert ("USER", "triton-server") in dockerfile_instructions(ROOT / "deploy" / "triton" / "Dockerfile")
+
+
+# --- the compose stack ------------------------------------------------------------------------------------
+
+
+def test_compose_file_is_valid_against_the_compose_spec():
+    spec = json.loads((ROOT / "deploy" / "schema" / "compose-spec.json").read_text())
+    doc = compose()
+    validator = jsonschema.Draft7Validator(spec)  # the schema's "$schema" is draft-07
+    validator.validate(doc)
+    # The validator is live: a misspelled service key is refused.
+    broken = json.loads(json.dumps(doc))
+    broken["services"]["triton"]["helthcheck"] = broken["services"]["triton"].pop("healthcheck")
+    with pytest.raises(jsonschema.ValidationError, match="helthcheck"):
+        validator.validate(broken)
+
+
+def test_compose_refuses_to_start_without_an_admin_key_and_holds_no_secret():
+    with pytest.raises(ValueError, match="SCORESTACK_ADMIN_KEY"):
+        compose(env={})
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert TEST_KEY not in text
+    for m in re.finditer(rf"{ADMIN_KEY_HEADER}=(\S+)", text):
+        assert m.group(1).startswith("${SCORESTACK_ADMIN_KEY:?"), m.group(0)
+    services = compose()["services"]
+    want = AdminKey(TEST_KEY).triton_args(RESTRICTED_APIS)
+    for name in ("triton", "triton-gpu"):
+        flags = [a for a in services[name]["command"] if "restricted" in a]
+        assert flags == want, f"{name}: {flags}"
+
+
+def test_compose_services_order_and_health():
+    s = compose()["services"]
+    assert {"compile", "features", "triton", "redis", "prometheus", "demo", "triton-gpu", "train"} <= set(s)
+    assert s["triton"]["depends_on"]["compile"]["condition"] == "service_completed_successfully"
+    assert s["features"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert s["demo"]["depends_on"] == {"triton": {"condition": "service_healthy"}, "features": {"condition": "service_completed_successfully"}}
+    assert s["triton"]["healthcheck"]["test"][-1].endswith("/v2/health/ready")
+    assert s["demo"]["profiles"] == ["demo"] and s["triton-gpu"]["profiles"] == ["gpu"]
+    (device,) = s["triton-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+    assert "profiles" not in s["triton"] and "profiles" not in s["compile"]
+    assert any(a.startswith("--cache-config=local,size=") for a in s["triton"]["command"])
+
+
+def test_compose_images_are_pinned_or_built_from_pinned_bases():
+    for name, svc in compose()["services"].items():
+        assert "image" in svc and pinned(svc["image"]), f"{name}: {svc.get('image')}"
+        if "build" in svc:
+            for op, rest in dockerfile_instructions(ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]):
+                if op == "FROM":
+                    assert pinned(rest.split()[0]), f"{name}: FROM {rest}"
+
+
+def test_compose_ports_are_loopback_and_the_clients_defaults():
+    s = compose()["services"]
+    for name, svc in s.items():
+        for mapping in svc.get("ports", []):
+            assert host_port(mapping)[0] == "127.0.0.1", f"{name}: {mapping} is not bound to 127.0.0.1 by default"
+    opened = compose({ADMIN_KEY_ENV: TEST_KEY, "SCORESTACK_BIND": "0.0.0.0"})["services"]
+    assert host_port(opened["triton"]["ports"][0])[0] == "0.0.0.0"
+
+    triton = {c: h for _, h, c in map(host_port, s["triton"]["ports"])}
+    assert triton == {8000: 8000, 8001: 8001, 8002: 8002}
+    # The defaults the command line documents: the clients' gRPC address and Feast's Redis.
+    from scorestack.cli import app
+
+    root = typer.main.get_command(app)
+    diagnose_url = next(p for p in root.commands["diagnose"].params if p.name == "url").help
+    redis_help = next(p for p in root.commands["features"].commands["apply"].params if p.name == "redis_url").help
+    assert f"127.0.0.1:{triton[8001]}" in diagnose_url
+    (redis,) = [host_port(p) for p in s["redis"]["ports"]]
+    assert f"127.0.0.1:{redis[1]}" in redis_help and redis[2] == 6379
+    assert {"triton:8001", "redis://redis:6379/0"} <= {a for svc in s.values() for a in _words(svc.get("command", []))}
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    assert jobs["triton"]["static_configs"][0]["targets"] == [f"triton:{triton[8002]}"]
+    assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in s["prometheus"]["volumes"]
+
+
+def _words(command: list[str] | str) -> list[str]:
+    return [w for part in ([command] if isinstance(command, str) else command) for w in shlex.split(part)]
+
+
+def test_compose_commands_are_real_scorestack_commands():
+    seen = set()
+    for name, svc in compose()["services"].items():
+        if svc.get("image", "").split(":")[0] != "scorestack":
+            continue
+        for argv in scorestack_commands(svc.get("entrypoint"), svc["command"]):
+            seen.add(" ".join(parse_cli(argv)))
+    assert seen == {"compile", "features apply", "features materialize", "demo train", "diagnose"}
+    # A wrong flag is caught by the same parser.
+    with pytest.raises(UsageError, match="repositry"):
+        parse_cli(["compile", "/specs/a.yaml", "--repositry", "/x"])
+
+
+def test_compose_compile_writes_the_repository_triton_mounts():
+    s = compose()["services"]
+    (argv,) = scorestack_commands(s["compile"]["entrypoint"], s["compile"]["command"])
+    repository = PurePosixPath(argv[argv.index("--repository") + 1])
+    # compile stages beside the repository and installs by rename: the repository's parent must be
+    # inside the same bind mount.
+    mounts = {PurePosixPath(v.split(":")[1]): v.split(":")[0] for v in s["compile"]["volumes"]}
+    mount = next(m for m in mounts if repository.parent == m or m in repository.parent.parents)
+    host = PurePosixPath(mounts[mount]) / repository.relative_to(mount)
+    (triton_mount,) = [v for v in s["triton"]["volumes"] if v.split(":")[1] == "/models"]
+    assert PurePosixPath(triton_mount.split(":")[0]) == host == PurePosixPath("model_repository")
+    assert triton_mount.endswith(":ro")
+    assert "--model-repository=/models" in s["triton"]["command"]
+    assert s["features"]["volumes"] == s["demo"]["volumes"] == ["features:/features"]
+    assert "/features/feature_repo" in _words(s["demo"]["command"])
+
+
+# --- Kubernetes ----------------------------------------------------------------------------------------
+
+
+def test_k8s_manifests_validate_against_the_kubernetes_api():
+    docs = k8s_documents()
+    assert set(docs) == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}, "every manifest is in the kustomization"
+    kinds = set()
+    for name, items in docs.items():
+        for d in items:
+            kinds.add(d["kind"])
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(d, version, strict=True)
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "Job", "PersistentVolumeClaim"} <= kinds
+    assert "Secret" not in kinds, "the admin key Secret is created by the operator, never committed"
+    # The validator is live: a misspelled field is refused.
+    deployment = next(d for d in docs["triton.yaml"] if d["kind"] == "Deployment")
+    broken = json.loads(json.dumps(deployment))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = broken["spec"]["template"]["spec"]["containers"][0].pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
+
+
+def test_k8s_triton_deployment():
+    docs = k8s_documents()
+    deployment = next(d for d in docs["triton.yaml"] if d["kind"] == "Deployment")
+    service = next(d for d in docs["triton.yaml"] if d["kind"] == "Service")
+    pod = deployment["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert {p["port"] for p in service["spec"]["ports"]} == {8000, 8001, 8002}
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    # The key: from a Secret, expanded by Kubernetes into Triton's flags.
+    (env,) = [e for e in c["env"] if e["name"] == ADMIN_KEY_ENV]
+    assert set(env["valueFrom"]) == {"secretKeyRef"}
+    spec = f"{','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}=$({ADMIN_KEY_ENV})"
+    assert [a for a in c["args"] if "restricted" in a] == [f"--grpc-restricted-protocol={spec}", f"--http-restricted-api={spec}"]
+    assert c["args"][0] == "tritonserver" and "--model-repository=/models" in c["args"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    # Compose and Kubernetes run Triton with the same flags (bar the key's spelling).
+    compose_flags = [a.replace(TEST_KEY, f"$({ADMIN_KEY_ENV})") for a in compose()["services"]["triton"]["command"]]
+    assert c["args"] == compose_flags
+
+
+def test_k8s_images_are_pinned_and_commands_real():
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    tags = {i["name"]: i["newTag"] for i in kust["images"]}
+    for name, items in k8s_documents().items():
+        for pod in pod_specs(items):
+            for c in pod["containers"]:
+                image = c["image"] if ":" in c["image"] else f"{c['image']}:{tags.get(c['image'], '')}"
+                assert pinned(image), f"{name}: {c['image']}"
+                if c["image"] == "scorestack":
+                    for argv in scorestack_commands(c.get("command"), c["args"]):
+                        parse_cli(argv)
+    assert tags == {"scorestack": "0.1.0", "scorestack-triton": "0.1.0"}
+
+
+def test_k8s_compile_job_writes_the_repository_triton_reads():
+    docs = k8s_documents()
+    (job,) = docs["compile-job.yaml"]
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    (argv,) = scorestack_commands(c["command"], c["args"])
+    repository = PurePosixPath(argv[argv.index("--repository") + 1])
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    (mount,) = [m for m in c["volumeMounts"] if PurePosixPath(m["mountPath"]) == repository.parent]
+    deployment = next(d for d in docs["triton.yaml"] if d["kind"] == "Deployment")
+    tpod = deployment["spec"]["template"]["spec"]
+    (tm,) = [m for m in tpod["containers"][0]["volumeMounts"] if m["mountPath"] == "/models"]
+    tclaims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in tpod["volumes"] if "persistentVolumeClaim" in v}
+    assert tclaims[tm["name"]] == claims[mount["name"]] == "model-repository"
+    assert tm["subPath"] == repository.name and tm["readOnly"] is True
+    pvc = next(d for d in docs["storage.yaml"] if d["metadata"]["name"] == "model-repository")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], "every Triton replica reads it"
+    (mjob,) = docs["materialize-job.yaml"]
+    (mc,) = mjob["spec"]["template"]["spec"]["containers"]
+    assert "redis://redis:6379/0" in mc["args"][0]
+    redis_svc = next(d for d in docs["redis.yaml"] if d["kind"] == "Service")
+    assert redis_svc["metadata"]["name"] == "redis" and redis_svc["spec"]["ports"][0]["port"] == 6379
+
+
+def _adapter_rule() -> dict:
+    values = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-values.yaml").read_text())
+    (rule,) = values["rules"]["custom"]
+    return rule
+
+
+def _metric_names(query: str) -> set[str]:
+    """Metric names a PromQL query selects, from the real parser's syntax tree."""
+    expr = promql_parser.parse(query)
+    names: set[str] = set()
+
+    def visit(e) -> None:  # noqa: ANN001
+        if isinstance(e, promql_parser.VectorSelector):
+            names.add(e.name)
+        for attr in ("expr", "lhs", "rhs", "vector_selector"):
+            child = getattr(e, attr, None)
+            if isinstance(child, promql_parser.Expr):
+                visit(child)
+        for arg in getattr(e, "args", None) or []:
+            visit(arg)
+
+    visit(expr)
+    return names
+
+
+def _adapter_query(labels: str = 'namespace="scorestack",pod="triton-0"', group_by: str = "pod") -> str:
+    return _adapter_rule()["metricsQuery"].replace("<<.LabelMatchers>>", labels).replace("<<.GroupBy>>", group_by)
+
+
+def test_hpa_reads_the_adapters_metric():
+    (hpa,) = k8s_documents()["triton-hpa.yaml"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    rule = _adapter_rule()
+    assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "triton"}
+    assert _metric_names(_adapter_query()) == {"nv_inference_queue_duration_us", "nv_inference_request_success"}
+    assert _metric_names(rule["seriesQuery"]) == {"nv_inference_queue_duration_us"}
+    assert re.fullmatch(rule["name"]["matches"], "nv_inference_queue_duration_us")
+
+
+# --- for real: the repository `scorestack compile` writes, served by the local Triton ----------------------
+
+FORMATS = (("fraud_xgb", "onnx"), ("fraud_xgb", "native"), ("fraud_xgb", "tl2cgen"), ("fraud_sklearn", "native"))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> tuple[Path, Path, dict[str, dict]]:
+    """Small demo models, one spec per format the compiler emits, compiled by the command line."""
+    from scorestack.compile import train_demo_models
+
+    root = tmp_path_factory.mktemp("deploy")
+    models = root / "specs"
+    train_demo_models(models, xgb_trees=30, sklearn_iters=20, ranker_trees=5, n_fraud=4000, n_queries=60)
+    specs = {}
+    for source, fmt in FORMATS:
+        spec = yaml.safe_load((models / f"{source}.yaml").read_text())
+        name = f"{source}_{fmt}"
+        spec.update(name=name, formats=[fmt])
+        spec["serving"] = dict(spec["serving"], batch_sizes=[1, 64], batch_weights=[0.5, 0.5])
+        (models / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+        specs[name] = spec
+    repository = root / "model_repository"
+    # As the compose `compile` service runs it (the serving check is done below, in one Triton).
+    cmd = [str(Path(sys.executable).parent / "scorestack"), "compile", *(str(models / f"{n}.yaml") for n in specs), "--repository", str(repository), "--jobs", "2", "--no-serve-check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return models, repository, specs
+
+
+def _reference(models: Path, source: str, X: np.ndarray) -> np.ndarray:
+    if source == "fraud_xgb":
+        import xgboost as xgb
+
+        booster = xgb.Booster()
+        booster.load_model(str(models / "fraud_xgb.json"))
+        return booster.predict(xgb.DMatrix(X))
+    import joblib
+
+    return joblib.load(models / "fraud_sklearn.joblib").predict_proba(X)[:, 1]
+
+
+def _scrape(url: str) -> dict[tuple[str, str], float]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^(nv_[a-z_]+)\{([^}]*)\} ([0-9.e+-]+)$', line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            out[(m.group(1), labels.get("model", ""))] = out.get((m.group(1), labels.get("model", "")), 0.0) + float(m.group(3))
+    return out
+
+
+def _http(server: LocalTriton, path: str, key: AdminKey | None) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{server.http_url}{path}", headers=key.http_headers if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def test_compiled_repository_serves_every_format_and_exports_the_hpa_metric(compiled, server_environment):
+    import tritonclient.grpc as grpcclient
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    models, repository, specs = compiled
+    backends = {}
+    for name in specs:
+        folder = repository / name
+        cfg = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        backends[name] = cfg.backend
+        assert (folder / "1" / "SHA256SUMS").exists() and (folder / "1" / "model.py").exists()
+    # ONNX goes to Triton's native backend; the others need the runtime's Python dependencies,
+    # which the Triton image adds.
+    assert backends == {"fraud_xgb_onnx": "onnxruntime", "fraud_xgb_native": "python", "fraud_xgb_tl2cgen": "python", "fraud_sklearn_native": "python"}
+
+    key = AdminKey(TEST_KEY)
+    X = np.load(models / "fraud_holdout.npz")["X"][:256].astype(np.float32)
+    with LocalTriton(repository, server_env=server_environment, admin_key=key, ready_timeout_s=300) as server:
+        assert {n: st.ready for n, st in server.model_status.items()} == {n: True for n in specs}
+        before = _scrape(server.metrics_url)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            for name, spec in specs.items():
+                source = name.rsplit("_", 1)[0]
+                want = _reference(models, source, X)
+                got = []
+                for i in range(0, len(X), 16):
+                    inp = grpcclient.InferInput(schema.INPUT_TENSOR, [len(X[i : i + 16]), X.shape[1]], "FP32")
+                    inp.set_data_from_numpy(np.ascontiguousarray(X[i : i + 16]))
+                    res = client.infer(name, [inp], client_timeout=30)  # inference needs no key
+                    got.append(res.as_numpy(schema.OUTPUT_TENSORS["binary"]).reshape(-1))
+                np.testing.assert_allclose(np.concatenate(got), want, rtol=0, atol=spec["verification"]["tolerance"], err_msg=name)
+        finally:
+            client.close()
+        after = _scrape(server.metrics_url)
+
+        # The HPA's inputs exist under these names and mean what the adapter's query assumes:
+        # cumulative queue microseconds and successful requests, per model, equal to Triton's own
+        # statistics (read with the admin key: refused without it).
+        assert _http(server, "/v2/models/fraud_xgb_onnx/stats", None)[0] == 403
+        for name in specs:
+            requests = after[("nv_inference_request_success", name)] - before.get(("nv_inference_request_success", name), 0.0)
+            queue_us = after[("nv_inference_queue_duration_us", name)] - before.get(("nv_inference_queue_duration_us", name), 0.0)
+            assert requests == len(range(0, len(X), 16)), name
+            status, stats = _http(server, f"/v2/models/{name}/stats", key)
+            assert status == 200, stats
+            (s,) = [m for m in stats["model_stats"] if m["inference_stats"]["success"]["count"] > 0]
+            total_requests = s["inference_stats"]["success"]["count"]
+            total_queue_us = s["inference_stats"]["queue"]["ns"] / 1000
+            assert after[("nv_inference_request_success", name)] == total_requests  # warm-up is not counted by either
+            assert abs(after[("nv_inference_queue_duration_us", name)] - total_queue_us) <= total_requests, name
+            assert queue_us >= 0
+        scraped = {metric for metric, _ in after}
+    assert _metric_names(_adapter_query()) <= scraped
