@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from scorestack.features.backends import Entity, Row, ViewSpec
+from scorestack.features.backends import Entity, ViewSpec
 from scorestack.features.metrics import FetchMetrics
 from scorestack.features.ondemand import compute
 from scorestack.features.plans import ServicePlan
@@ -22,8 +22,9 @@ NOT_READ = object()  # an entity the store was not asked about in time (timeout,
 
 def view_matrix(
     spec: ViewSpec, entities: list[Entity], rows: Mapping[Entity, Any], now: float, metrics: FetchMetrics
-) -> tuple[np.ndarray, np.ndarray]:
-    """Values (float64, defaults where absent) and statuses [n, features] of one view for the rows' entities."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, list]]:
+    """One view for the rows' entities: values (float64, defaults where absent) and statuses
+    [n, features], the status of each row as a whole [n], and the raw values per raw feature."""
     n, width = len(entities), len(spec.features)
     unique = list(dict.fromkeys(entities))
     defaults = spec.defaults.astype(np.float64)
@@ -38,8 +39,10 @@ def view_matrix(
             read_k.append(k)
             read_rows.append(row)
     n_stale = 0
+    u_row = np.full(len(unique), FeatureStatus.MISSING, dtype=np.int8)
     if not_read:
         u_status[not_read] = FeatureStatus.DEFAULTED
+        u_row[not_read] = FeatureStatus.DEFAULTED
     if read_rows:
         # One vectorized pass over every row read, not numpy calls per row.
         have = np.stack([r.found for r in read_rows])
@@ -49,6 +52,13 @@ def view_matrix(
         u_values[read_k] = np.where(have, stored, defaults)
         u_status[read_k] = np.where(have, np.where(stale[:, None], FeatureStatus.STALE, FeatureStatus.PRESENT), FeatureStatus.MISSING)
         n_stale = int(have[stale].sum())
+        u_row[read_k] = np.where(stale, FeatureStatus.STALE, FeatureStatus.PRESENT)
+    raw: dict[str, list] = {}
+    if spec.raw_features:
+        by_k = dict(zip(read_k, read_rows))
+        for j, feature in enumerate(spec.raw_features):
+            column = [by_k[k].raw[j] if k in by_k else None for k in range(len(unique))]
+            raw[feature] = column
     n_degraded = len(not_read) * width
     n_missing = int(np.count_nonzero(u_status == FeatureStatus.MISSING))
     if n_missing:
@@ -58,10 +68,11 @@ def view_matrix(
     if n_stale:
         metrics.stale.labels(spec.name).inc(n_stale)
     if len(unique) == n:
-        return u_values, u_status  # the usual case: no duplicate entities, rows already in order
+        return u_values, u_status, u_row, raw  # the usual case: no duplicate entities, rows already in order
     position = {entity: k for k, entity in enumerate(unique)}
     inverse = np.fromiter((position[e] for e in entities), dtype=np.intp, count=n)
-    return u_values[inverse], u_status[inverse]
+    raw = {feature: [column[k] for k in inverse] for feature, column in raw.items()}
+    return u_values[inverse], u_status[inverse], u_row[inverse], raw
 
 
 def assemble(
@@ -78,7 +89,7 @@ def assemble(
     status = np.empty((n, len(plan.feature_names)), dtype=np.int8)
     per_view = {spec.name: view_matrix(spec, entities[spec.name], found[spec.name], now, metrics) for spec in plan.views}
     for out in plan.stored:
-        view_values, view_status = per_view[out.view]
+        view_values, view_status, _, _ = per_view[out.view]
         values[:, out.positions] = view_values[:, out.columns]
         status[:, out.positions] = view_status[:, out.columns]
     views = {spec.name: spec for spec in plan.views}

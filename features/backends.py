@@ -36,6 +36,9 @@ class ViewSpec:
     defaults: np.ndarray  # float32, one per feature
     ttl_s: float  # 0: never stale
     cache_ttl_s: float  # 0: never cached
+    # Non-numeric features an on-demand view reads (Map, Json, String, ...): read as the Python
+    # values Feast would hand the transformation, never converted to numbers.
+    raw_features: tuple[str, ...] = ()
 
     def entities(self, columns: Mapping[str, Sequence]) -> list:
         """Per row, the entity of this view: the key's value, or a tuple of values for a compound key."""
@@ -55,6 +58,7 @@ class Row(NamedTuple):
     values: np.ndarray  # float64 [n_features] (int64 counts stay exact up to 2**53 for transformations)
     found: np.ndarray  # bool [n_features]
     event_ts: float  # epoch seconds; NaN when unknown
+    raw: tuple = ()  # Python values of the view's raw_features (None where absent)
 
 
 Entity = Hashable  # a join-key value, or a tuple of them for a compound key
@@ -118,7 +122,7 @@ def _feast_calls(views: Mapping[str, ViewSpec], wanted: Wanted) -> list[_FeastCa
             entities = list(dict.fromkeys(e for v in groups[keys] for e in wanted[v]))
             index = {e: i for i, e in enumerate(entities)}
             for v in groups[keys]:
-                refs += [f"{v}:{f}" for f in views[v].features]
+                refs += [f"{v}:{f}" for f in views[v].features + views[v].raw_features]
                 position[v] = index
             entity_lists[keys] = entities
         length = max(len(e) for e in entity_lists.values())
@@ -140,6 +144,7 @@ _NUMERIC_KINDS = frozenset(("float_val", "double_val", "int32_val", "int64_val",
 def _parse_feast_response(views: Mapping[str, ViewSpec], wanted: Wanted, call: _FeastCall, response, out: Rows) -> None:
     """Rows of the views of one call, from Feast's response protobuf (only the features asked)."""
     from feast.protos.feast.serving.ServingService_pb2 import FieldStatus
+    from feast.type_map import feast_value_type_to_python_type
 
     proto = response.proto
     index = {name: i for i, name in enumerate(proto.metadata.feature_names.val)}
@@ -147,6 +152,7 @@ def _parse_feast_response(views: Mapping[str, ViewSpec], wanted: Wanted, call: _
     for name, position in call.position.items():
         spec = views[name]
         results = [proto.results[index[f"{name}__{f}"]] for f in spec.features]
+        raw_results = [proto.results[index[f"{name}__{f}"]] for f in spec.raw_features]
         rows: list[Row | None] = []
         for entity in wanted[name]:
             i = position[entity]
@@ -163,7 +169,11 @@ def _parse_feast_response(views: Mapping[str, ViewSpec], wanted: Wanted, call: _
                     ts = result.event_timestamps[i]
                     if ts.seconds or ts.nanos:
                         event_ts = ts.seconds + ts.nanos * 1e-9
-            rows.append(Row(values, found, event_ts) if found.any() else None)
+            raw = tuple(
+                feast_value_type_to_python_type(r.values[i]) if r.statuses[i] in present else None for r in raw_results
+            )
+            exists = found.any() or any(v is not None for v in raw)
+            rows.append(Row(values, found, event_ts, raw) if exists else None)
         out[name] = rows
 
 
@@ -263,6 +273,7 @@ class DirectRedisBackend(Backend):
             for spec in self.views.values()
         }
         self._fields = {name: [redis_layout.field_key(name, f) for f in spec.features] for name, spec in self.views.items()}
+        self._raw_fields = {name: [redis_layout.field_key(name, f) for f in spec.raw_features] for name, spec in self.views.items()}
         self._ts_fields = {name: redis_layout.ts_key(name) for name in self.views}
         self._packed: dict[tuple[str, ...], tuple[bytes, bytes]] = {}
 
@@ -301,7 +312,9 @@ class DirectRedisBackend(Backend):
         """
         packed = self._packed.get(views)
         if packed is None:
-            fields = [f for v in views for f in self._fields[v]] + [self._ts_fields[v] for v in views]
+            # Numbers first (decoded in one vectorized pass), then raw values, then timestamps.
+            fields = [f for v in views for f in self._fields[v]] + [f for v in views for f in self._raw_fields[v]]
+            fields += [self._ts_fields[v] for v in views]
             head = b"*%d\r\n$5\r\nHMGET\r\n" % (len(fields) + 2)
             tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(f), f) for f in fields)
             packed = self._packed[views] = (head, tail)
@@ -322,7 +335,7 @@ class DirectRedisBackend(Backend):
             await pool.release(connection)
 
     async def read(self, wanted: Wanted) -> Rows:
-        from scorestack.features.redis_layout import decode_timestamp, decode_values
+        from scorestack.features.redis_layout import decode_python, decode_timestamp, decode_values
 
         if self._client is None:
             raise RuntimeError("direct backend used before start()")
@@ -352,19 +365,26 @@ class DirectRedisBackend(Backend):
             block = replies[offset : offset + n]
             offset += n
             n_values = sum(len(self.views[v].features) for v in views)
+            n_raw = sum(len(self.views[v].raw_features) for v in views)
             values, found = decode_values([cell for reply in block for cell in reply[:n_values]])
             values = values.reshape(n, n_values)
             found = found.reshape(n, n_values)
-            column = 0
+            column = raw_column = 0
             for k, name in enumerate(views):
-                width = len(self.views[name].features)
+                spec = self.views[name]
+                width, raw_width = len(spec.features), len(spec.raw_features)
                 view_values = values[:, column : column + width]
                 view_found = found[:, column : column + width]
-                exists = view_found.any(axis=1).tolist()
+                raw = [
+                    tuple(decode_python(c) for c in reply[n_values + raw_column : n_values + raw_column + raw_width]) for reply in block
+                ] if raw_width else [()] * n
+                exists = (view_found.any(axis=1) | np.array([any(v is not None for v in r) for r in raw], dtype=bool)).tolist()
+                ts_index = n_values + n_raw + k
                 rows_by_id: dict[Entity, Row | None] = {
-                    entity: Row(view_values[r], view_found[r], decode_timestamp(block[r][n_values + k])) if exists[r] else None
+                    entity: Row(view_values[r], view_found[r], decode_timestamp(block[r][ts_index]), raw[r]) if exists[r] else None
                     for r, entity in enumerate(entity_ids)
                 }
                 out[name] = [rows_by_id[i] for i in wanted[name]]
                 column += width
+                raw_column += raw_width
         return out

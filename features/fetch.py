@@ -220,7 +220,9 @@ class FeatureFetcher:
         plan = self._plan(service)
         if not self._started:
             raise FeatureError("fetcher: not started; use `async with fetcher:` or `await fetcher.start()`")
-        columns, n = validation.entity_rows(entity_rows, plan.inputs, service=service, max_rows=self.max_rows)
+        columns, n = validation.entity_rows(
+            entity_rows, plan.inputs, service=service, max_rows=self.max_rows, join_keys=plan.join_keys
+        )
 
         cache = self._cache
         entities: dict[str, list[Entity]] = {}

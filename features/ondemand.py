@@ -22,12 +22,14 @@ from scorestack.features.results import FeatureStatus
 _TO_PYTHON = {"Int64": int, "Int32": int, "Bool": bool, "Float32": float, "Float64": float}
 
 
-def _python_column(values: np.ndarray, dtype: str) -> list:
-    """Stored numbers as the Python values Feast's `to_dict` would hand over (ints stay ints)."""
+def _python_column(values: np.ndarray, present: np.ndarray, dtype: str) -> list:
+    """Stored numbers as the Python values Feast's `to_dict` would hand over (ints stay ints; None
+    where the store has no value, as Feast gives it)."""
     convert = _TO_PYTHON.get(dtype, float)
-    if convert is float:
-        return values.tolist()
-    return [convert(v) for v in values.tolist()]
+    out = values.tolist() if convert is float else [convert(v) for v in values.tolist()]
+    if not present.all():
+        out = [v if p else None for v, p in zip(out, present.tolist())]
+    return out
 
 
 def compute(
@@ -35,53 +37,43 @@ def compute(
     spec: OdfvSpec,
     n: int,
     columns: Mapping[str, Sequence[Any]],
-    view_values: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    view_values: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, list]]],
     views: Mapping[str, ViewSpec],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Outputs of one on-demand view for `n` rows: float32 values and status codes [n, outputs].
 
-    `view_values[view]` holds the rows' stored values (float64, defaults where absent) and statuses
-    per read feature of the view; `columns` the validated join keys and request data per row.
+    `view_values[view]` holds per row: the stored values (float64, defaults where absent) and
+    statuses of the view's numeric features, the status of the row itself, and the raw
+    (non-numeric) values per feature; `columns` the validated join keys and request data per row.
+
+    Rows the store answered are computed with exactly Feast's inputs (None where it has no value),
+    so the outputs equal `get_online_features`'. Should the transformation fail on such None
+    inputs, the rows with missing inputs get the declared defaults and the others are computed
+    again. Rows the store did not answer in time are not computed (defaults, `defaulted`).
     """
     width = len(spec.outputs)
     values = np.tile(spec.defaults, (n, 1))
-    status = np.full((n, width), FeatureStatus.PRESENT, dtype=np.int8)
     worst = np.zeros(n, dtype=np.int8)
     for view, _, idx in spec.sources:
+        worst = np.maximum(worst, view_values[view][2])
         if len(idx):
             worst = np.maximum(worst, view_values[view][1][:, idx].max(axis=1))
-    complete = (worst == FeatureStatus.PRESENT) | (worst == FeatureStatus.STALE)
-    status[:] = worst[:, None]
-    rows = np.flatnonzero(complete)
-    if len(rows) == 0:
+    status = np.repeat(worst[:, None], width, axis=1)
+    answered = np.flatnonzero(worst != FeatureStatus.DEFAULTED)
+    if len(answered) == 0:
         return values, status
-    every = len(rows) == n
-    take = (lambda seq: list(seq)) if every else (lambda seq: [seq[i] for i in rows])
-
-    inputs: dict[str, list] = {}
-    for key in spec.join_keys:
-        inputs[key] = take(columns[key])
-    for name, _ in spec.request_fields:
-        inputs[name] = take(columns[name])
-    for view, features, idx in spec.sources:
-        stored = view_values[view][0] if every else view_values[view][0][rows]
-        for feature, j in zip(features, idx):
-            inputs[f"{view}__{feature}"] = _python_column(stored[:, j], views[view].types[j])
-
     try:
-        if spec.mode == "python":
-            out = spec.view.transform_dict(inputs)
-            result = {name: out[name] for name in spec.outputs}
-        else:
-            import pyarrow as pa
+        result = _transform(spec, answered, n, columns, view_values, views)
+        rows = answered
+    except Exception as exc:  # noqa: BLE001 - a user's transformation may raise anything
+        complete = np.flatnonzero((worst == FeatureStatus.PRESENT) | (worst == FeatureStatus.STALE))
+        if len(complete) == len(answered):
+            raise FeatureError(f"feature service {service!r}: on-demand feature view {spec.name!r} failed: {type(exc).__name__}: {exc}") from exc
+        rows = complete
+        result = _transform(spec, rows, n, columns, view_values, views) if len(rows) else {o: [] for o in spec.outputs}
 
-            table = spec.view.transform_arrow(pa.Table.from_pydict(inputs), False)
-            result = {name: table.column(name).to_pylist() for name in spec.outputs}
-    except KeyError as exc:
-        raise FeatureError(f"feature service {service!r}: on-demand feature view {spec.name!r} did not return output {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - a user's transformation may raise anything; name it
-        raise FeatureError(f"feature service {service!r}: on-demand feature view {spec.name!r} failed: {type(exc).__name__}: {exc}") from exc
-
+    # A computed value is present (stale if an input was); None or NaN out: missing, as Feast says.
+    computed_status = np.where(worst[rows] == FeatureStatus.STALE, FeatureStatus.STALE, FeatureStatus.PRESENT).astype(np.int8)
     for k, name in enumerate(spec.outputs):
         got = result[name]
         if not isinstance(got, (list, tuple)):
@@ -90,8 +82,36 @@ def compute(
             raise FeatureError(f"feature service {service!r}: on-demand feature view {spec.name!r} returned {len(got)} values of {name!r} for {len(rows)} rows")
         col = np.array([math.nan if v is None else float(v) for v in got], dtype=np.float64)
         absent = np.isnan(col)
-        col = np.where(absent, spec.defaults[k], col).astype(np.float32)
-        values[rows, k] = col
-        if absent.any():
-            status[rows[absent], k] = FeatureStatus.MISSING
+        values[rows, k] = np.where(absent, spec.defaults[k], col).astype(np.float32)
+        status[rows, k] = np.where(absent, FeatureStatus.MISSING, computed_status)
     return values, status
+
+
+def _transform(spec: OdfvSpec, rows: np.ndarray, n: int, columns, view_values, views) -> dict[str, list]:
+    """Feast's transformation of the on-demand view over `rows`, its outputs as lists."""
+    every = len(rows) == n
+    take = (lambda seq: list(seq)) if every else (lambda seq: [seq[i] for i in rows])
+    inputs: dict[str, list] = {}
+    for key in spec.join_keys:
+        inputs[key] = take(columns[key])
+    for name, _ in spec.request_fields:
+        inputs[name] = take(columns[name])
+    for view, features, idx in spec.sources:
+        stored, stored_status = view_values[view][0], view_values[view][1]
+        if not every:
+            stored, stored_status = stored[rows], stored_status[rows]
+        for feature, j in zip(features, idx):
+            present = (stored_status[:, j] == FeatureStatus.PRESENT) | (stored_status[:, j] == FeatureStatus.STALE)
+            inputs[f"{view}__{feature}"] = _python_column(stored[:, j], present, views[view].types[j])
+        for feature in spec.raw_sources.get(view, ()):
+            inputs[f"{view}__{feature}"] = take(view_values[view][3][feature])
+    try:
+        if spec.mode == "python":
+            out = spec.view.transform_dict(inputs)
+            return {name: out[name] for name in spec.outputs}
+        import pyarrow as pa
+
+        table = spec.view.transform_arrow(pa.Table.from_pydict(inputs), False)
+        return {name: table.column(name).to_pylist() for name in spec.outputs}
+    except KeyError as exc:
+        raise FeatureError(f"on-demand feature view {spec.name!r} did not return output {exc}") from None

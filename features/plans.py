@@ -44,7 +44,8 @@ class OdfvSpec:
     name: str  # the name the service knows it by (its alias, if the service renamed it)
     view: Any  # the feast.OnDemandFeatureView: its transform_dict / transform_arrow do the work
     mode: str  # python or pandas
-    sources: tuple[tuple[str, tuple[str, ...], np.ndarray], ...]  # (view, features, their indices in the view's read features)
+    sources: tuple[tuple[str, tuple[str, ...], np.ndarray], ...]  # (view, numeric features, their indices in the view's read features)
+    raw_sources: dict[str, tuple[str, ...]]  # view -> non-numeric features it reads (Map, Json, String...)
     request_fields: tuple[tuple[str, str], ...]  # (name, Feast type)
     join_keys: tuple[str, ...]  # entity columns of its sources, handed to the transformation as Feast does
     outputs: tuple[str, ...]  # the features the service projects
@@ -76,7 +77,8 @@ class _Draft:
     name: str
     outputs: list[tuple[str, str, str]] = field(default_factory=list)  # (kind "view"/"odfv", view name, feature)
     types: list[str] = field(default_factory=list)
-    needs: dict[str, list[str]] = field(default_factory=dict)  # stored view -> features read
+    needs: dict[str, list[str]] = field(default_factory=dict)  # stored view -> numeric features read
+    raw_needs: dict[str, list[str]] = field(default_factory=dict)  # stored view -> non-numeric features an on-demand view reads
     odfvs: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict)  # alias -> (odfv, projected outputs)
     key_types: dict[str, str] = field(default_factory=dict)
     request: dict[str, str] = field(default_factory=dict)
@@ -91,8 +93,11 @@ def _refuse(service: str, message: str) -> FeatureServiceError:
     return FeatureServiceError(f"feature service {service!r}: {message}")
 
 
-def _default(service: str, owner: str, f) -> float:
-    raw = f.tags.get("default", 0.0) if f.tags else 0.0
+def _default(service: str, owner: str, f, view_tags: Mapping[str, str] | None = None) -> float:
+    """A feature's declared default: its field tag `default`, else its view's tag `default:<feature>`
+    (on-demand views must use the latter: Feast compares their fields, tags included, with what it
+    infers from the transformation), else 0."""
+    raw = (f.tags or {}).get("default", (view_tags or {}).get(f"default:{f.name}", 0.0))
     try:
         return float(raw)
     except (TypeError, ValueError):
@@ -113,20 +118,25 @@ def _key_types(store: "feast.FeatureStore", view, service: str, entities: Mappin
     return tuple(types)
 
 
-def _add_view(draft: _Draft, store, view_name: str, features, stored: dict[str, Any], entities, *, why: str) -> None:
+def _add_view(draft: _Draft, store, view_name: str, features, stored: dict[str, Any], entities, *, why: str, raw_ok: bool = False) -> None:
     view = stored.get(view_name)
     if view is None:
-        raise _refuse(draft.name, f"{why} {view_name!r} is neither a feature view nor an on-demand feature view in the registry")
+        raise _refuse(draft.name, f"{why or 'it projects '}{view_name!r}, which is neither a feature view nor an on-demand feature view in the registry")
     for key, kind in zip(view.join_keys, _key_types(store, view, draft.name, entities)):
         if draft.key_types.setdefault(key, kind) != kind:
             raise _refuse(draft.name, f"join key {key!r} is {draft.key_types[key]} in one view and {kind} in {view_name!r}")
     needs = draft.needs.setdefault(view_name, [])
     for f in features:
         kind = type_name(f.dtype)
+        if kind not in NUMERIC_TYPES and raw_ok:
+            raw = draft.raw_needs.setdefault(view_name, [])
+            if f.name not in raw:
+                raw.append(f.name)
+            continue
         if kind not in NUMERIC_TYPES:
             raise _refuse(
                 draft.name,
-                f"{why} feature {view_name}:{f.name} has type {kind}; only numeric features "
+                f"{why}feature {view_name}:{f.name} has type {kind}; only numeric features "
                 f"({', '.join(sorted(NUMERIC_TYPES))}) can be model inputs: remove it from the service or serve it elsewhere",
             )
         if f.name not in needs:
@@ -155,7 +165,7 @@ def _draft(store, service, stored: dict[str, Any], odfvs: dict[str, Any], entiti
                 draft.outputs.append(("odfv", alias, f.name))
                 draft.types.append(kind)
         else:
-            _add_view(draft, store, projection.name, projection.features, stored, entities, why="feature")
+            _add_view(draft, store, projection.name, projection.features, stored, entities, why="")
             for f in projection.features:
                 draft.outputs.append(("view", projection.name, f.name))
                 draft.types.append(type_name(f.dtype))
@@ -179,7 +189,7 @@ def _check_odfv(draft: _Draft, store, odfv, stored, entities) -> None:
     for projection in odfv.source_feature_view_projections.values():
         if projection.join_key_map:
             raise _refuse(draft.name, f"on-demand feature view {odfv.name!r} reads {projection.name!r} through a join key map, which is not supported")
-        _add_view(draft, store, projection.name, projection.features, stored, entities, why=f"on-demand feature view {odfv.name!r} reads")
+        _add_view(draft, store, projection.name, projection.features, stored, entities, why=f"on-demand feature view {odfv.name!r} reads ", raw_ok=True)
     for source in odfv.source_request_sources.values():
         for f in source.schema:
             kind = type_name(f.dtype)
@@ -189,7 +199,7 @@ def _check_odfv(draft: _Draft, store, odfv, stored, entities) -> None:
                 raise _refuse(draft.name, f"request field {f.name!r} is {draft.request[f.name]} in one source and {kind} in {source.name!r}")
 
 
-def _view_spec(view, features: list[str], key_types: tuple[str, ...], service: str) -> ViewSpec:
+def _view_spec(view, features: list[str], raw_features: list[str], key_types: tuple[str, ...], service: str) -> ViewSpec:
     fields = {f.name: f for f in view.features}
     order = [f.name for f in view.features if f.name in features]  # the view's own order
     return ViewSpec(
@@ -198,9 +208,10 @@ def _view_spec(view, features: list[str], key_types: tuple[str, ...], service: s
         key_types=key_types,
         features=tuple(order),
         types=tuple(type_name(fields[f].dtype) for f in order),
-        defaults=np.array([_default(service, view.name, fields[f]) for f in order], dtype=np.float32),
+        defaults=np.array([_default(service, view.name, fields[f], view.tags) for f in order], dtype=np.float32),
         ttl_s=view.ttl.total_seconds() if view.ttl else 0.0,
         cache_ttl_s=float(view.tags.get("cache_ttl_s", 0.0)),
+        raw_features=tuple(f.name for f in view.features if f.name in raw_features),
     )
 
 
@@ -225,15 +236,17 @@ def load_plans(
 
     # Phase two: a view is read with the union of what the servable services need from it.
     needs: dict[str, list[str]] = {}
+    raw_needs: dict[str, list[str]] = {}
     for draft in drafts.values():
-        for view, features in draft.needs.items():
-            union = needs.setdefault(view, [])
-            union += [f for f in features if f not in union]
+        for into, got in ((needs, draft.needs), (raw_needs, draft.raw_needs)):
+            for view, features in got.items():
+                union = into.setdefault(view, [])
+                union += [f for f in features if f not in union]
     views: dict[str, ViewSpec] = {}
     for name, features in needs.items():
         owner = next(d for d in drafts.values() if name in d.needs)
         try:
-            views[name] = _view_spec(stored[name], features, tuple(owner.key_types[k] for k in stored[name].join_keys), owner.name)
+            views[name] = _view_spec(stored[name], features, raw_needs.get(name, []), tuple(owner.key_types[k] for k in stored[name].join_keys), owner.name)
         except FeatureServiceError as exc:
             for d in [d for d in drafts.values() if name in d.needs]:
                 refused[d.name] = exc
@@ -260,10 +273,13 @@ def _plan(draft: _Draft, views: Mapping[str, ViewSpec], backend, online: str, di
     odfv_specs = []
     for alias, (odfv, outputs) in draft.odfvs.items():
         fields = {f.name: f for f in odfv.features}
+        projections = list(odfv.source_feature_view_projections.values())
+        numeric = {p.name: [f.name for f in p.features if f.name in views[p.name].features] for p in projections}
         sources = tuple(
-            (p.name, tuple(f.name for f in p.features), np.array([views[p.name].features.index(f.name) for f in p.features], np.intp))
-            for p in odfv.source_feature_view_projections.values()
+            (p.name, tuple(numeric[p.name]), np.array([views[p.name].features.index(f) for f in numeric[p.name]], np.intp))
+            for p in projections
         )
+        raw_sources = {p.name: tuple(f.name for f in p.features if f.name in views[p.name].raw_features) for p in projections}
         join_keys = tuple(dict.fromkeys(k for view, _, _ in sources for k in views[view].join_keys))
         request = tuple((f.name, type_name(f.dtype)) for s in odfv.source_request_sources.values() for f in s.schema)
         odfv_specs.append(
@@ -272,10 +288,11 @@ def _plan(draft: _Draft, views: Mapping[str, ViewSpec], backend, online: str, di
                 view=odfv,
                 mode=odfv.mode,
                 sources=sources,
+                raw_sources=raw_sources,
                 request_fields=request,
                 join_keys=join_keys,
                 outputs=outputs,
-                defaults=np.array([_default(draft.name, alias, fields[o]) if o in fields else 0.0 for o in outputs], np.float32),
+                defaults=np.array([_default(draft.name, alias, fields[o], odfv.tags) if o in fields else 0.0 for o in outputs], np.float32),
                 positions=np.array([position[("odfv", alias, o)] for o in outputs], np.intp),
             )
         )

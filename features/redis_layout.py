@@ -120,6 +120,15 @@ def decode_timestamp(raw: bytes | None) -> float:
     return ts.seconds + ts.nanos * 1e-9
 
 
+def decode_python(raw: bytes | None):
+    """A serialized Value as the Python value Feast's `to_dict` gives (None when absent or null)."""
+    from feast.type_map import feast_value_type_to_python_type
+
+    if raw is None:
+        return None
+    return feast_value_type_to_python_type(ValueProto.FromString(raw))
+
+
 def _value_to_float(raw: bytes) -> float:
     value = ValueProto.FromString(raw)
     kind = value.WhichOneof("val")

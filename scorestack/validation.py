@@ -109,16 +109,20 @@ def entity_rows(
     *,
     service: str,
     max_rows: int,
+    join_keys: Sequence[str] = (),
     field: str = "entity_rows",
 ) -> tuple[dict[str, list[Any]], int]:
     """Validated columns of `entity_rows` and their row count.
 
-    `columns` maps every input a service needs (join keys and request data) to its Feast type.
+    `columns` maps every input a service needs (join keys and request data) to its Feast type;
+    the `join_keys` among them are checked by the entity-id rule (`entity_id`).
     `entity_rows` is a list of rows (`[{"user_id": 1}, ...]`, as `get_online_features` takes them)
     or a mapping of columns (`{"user_id": 7, "item_id": [3, 5, 8]}`; a scalar is repeated for
     every row).
     """
     expected = ", ".join(columns)
+    keys = set(join_keys)
+    check = {name: (entity_id if name in keys else typed_value) for name in columns}
     if isinstance(entity_rows, Mapping):
         unknown = [k for k in entity_rows if k not in columns]
         if unknown:
@@ -140,11 +144,11 @@ def entity_rows(
         _check_count(n, max_rows, field)
         out = {}
         for key, value in raw.items():
-            dtype = columns[key]
+            dtype, convert = columns[key], check[key]
             if isinstance(value, list):
-                out[key] = [typed_value(v, f"{field}.{key}[{i}]", dtype) for i, v in enumerate(value)]
+                out[key] = [convert(v, f"{field}.{key}[{i}]", dtype) for i, v in enumerate(value)]
             else:
-                out[key] = [typed_value(value, f"{field}.{key}", dtype)] * n
+                out[key] = [convert(value, f"{field}.{key}", dtype)] * n
         return out, n
     if isinstance(entity_rows, (str, bytes)) or not isinstance(entity_rows, Sequence):
         raise InputValidationError(field, f"expected a list of rows or a mapping of columns, got {type(entity_rows).__name__}")
@@ -160,7 +164,7 @@ def entity_rows(
         for key, dtype in columns.items():
             if key not in row:
                 raise InputValidationError(f"{field}[{i}].{key}", f"missing; service {service!r} needs {expected}")
-            out[key].append(typed_value(row[key], f"{field}[{i}].{key}", dtype))
+            out[key].append(check[key](row[key], f"{field}[{i}].{key}", dtype))
     return out, n
 
 
