@@ -531,6 +531,13 @@ def test_compiled_repository_serves_every_format_and_exports_the_hpa_metric(comp
     # ONNX goes to Triton's native backend; the others need the runtime's Python dependencies,
     # which the Triton image adds.
     assert backends == {"fraud_xgb_onnx": "onnxruntime", "fraud_xgb_native": "python", "fraud_xgb_tl2cgen": "python", "fraud_sklearn_native": "python"}
+    # In the container ONNX runs in Triton's own onnxruntime backend, not the runtime's 1.31: the
+    # 24.11 image carries ONNX Runtime 1.19.2, which implements ONNX 1.16 (IR version 10, opset 21).
+    import onnx
+
+    onnx_model = onnx.load(str(repository / "fraud_xgb_onnx" / "1" / "model.onnx"))
+    opsets = {o.domain or "ai.onnx": o.version for o in onnx_model.opset_import}
+    assert onnx_model.ir_version <= 10 and opsets["ai.onnx"] <= 21 and opsets.get("ai.onnx.ml", 1) <= 4, (onnx_model.ir_version, opsets)
 
     key = AdminKey(TEST_KEY)
     X = np.load(models / "fraud_holdout.npz")["X"][:256].astype(np.float32)
