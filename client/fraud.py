@@ -9,15 +9,24 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from scorestack import schema
-from scorestack.client.requests import ScoringPath, entity_id, numeric_fields, record
+from scorestack.client.requests import ScoringPath, numeric_fields, record
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import RequestValidationError
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
+from scorestack.features.push import CounterUpdate, FeatureWriter
 from scorestack.serve.runtime.scorestack_runtime import PARAM_DECISION_THRESHOLD
 
 
 DEFAULT_THRESHOLD = 0.5
+
+# The demo repository's velocity counters, moved by each scored transaction (features/repo/definitions.py).
+VELOCITY_UPDATE = CounterUpdate(
+    push_source="user_txn_velocity_push",
+    key="user_id",
+    features=schema.FRAUD_USER_VELOCITY,
+    increments={"txn_count_1h": None, "txn_count_24h": None, "amount_sum_1h": "amount", "amount_sum_24h": "amount"},
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,11 @@ class FraudService(ScoringPath):
     `transaction` is a mapping with `user_id` and every field of `schema.FRAUD_REQUEST`. The
     decision threshold is the spec's `serving.decision_threshold`, which the compiler wrote into the
     served model's config (`PARAM_DECISION_THRESHOLD`); pass `threshold` to override it.
+
+    With a `writer`, each scored transaction moves its user's velocity counters (`counter_update`,
+    default: transactions in the last hour/day +1, amount in the last hour/day + amount) through
+    Feast's push API in the background: the score never waits for it, and the next fetch of that
+    user sees it. Counters not read fresh are not written back (counted as `skipped`).
     """
 
     request_fields: tuple[str, ...] = schema.FRAUD_REQUEST
@@ -52,11 +66,19 @@ class FraudService(ScoringPath):
         feature_names: Sequence[str] = schema.FRAUD_FEATURES,
         feature_service: str = "fraud",
         deadline_s: float | None = None,
+        writer: FeatureWriter | None = None,
+        counter_update: CounterUpdate | None = VELOCITY_UPDATE,
     ) -> None:
         if threshold is not None and not 0.0 <= threshold <= 1.0:
             raise RequestValidationError("threshold", f"must be within [0, 1], got {threshold}")
         super().__init__(triton, fetcher, model=model, feature_names=feature_names, feature_service=feature_service, deadline_s=deadline_s)
         self.threshold = threshold
+        self.writer = writer
+        self.counter_update = counter_update if writer is not None else None
+        if self.counter_update is not None:
+            missing = sorted(set(self.counter_update.features) - set(fetcher.feature_names(feature_service)))
+            if missing:
+                raise RequestValidationError("counter_update", f"features {missing} are not in feature service {feature_service!r}")
 
     async def score(self, transaction: Mapping[str, Any]) -> FraudScore:
         timer = PhaseTimer()
@@ -65,7 +87,7 @@ class FraudService(ScoringPath):
                 raise RequestValidationError("transaction", f"must be a mapping of field -> value, got {type(transaction).__name__}")
             if "user_id" not in transaction:
                 raise RequestValidationError("user_id", "missing; every transaction names its user")
-            user = entity_id(transaction["user_id"], "user_id")
+            user = self.entity_id(transaction["user_id"], "user_id")
             # The fetch starts before the rest is validated, so store I/O overlaps the CPU work.
             fetch = asyncio.ensure_future(self.fetcher.fetch(self.feature_service, {"user_id": user}))
             try:
@@ -79,6 +101,8 @@ class FraudService(ScoringPath):
             result = await self.triton.infer(self.model, {schema.INPUT_TENSOR: vector}, deadline_s=self.deadline_s)
         probability = float(result.outputs[schema.OUTPUT_TENSORS["binary"]].reshape(-1)[0])
         threshold = self.threshold if self.threshold is not None else await self._served_threshold()
+        if self.counter_update is not None:
+            self._write_back(user, features, transaction)
         return FraudScore(
             probability=probability,
             decision=probability >= threshold,
@@ -89,6 +113,15 @@ class FraudService(ScoringPath):
             feature_status={n: FeatureStatus(int(s)).name.lower() for n, s in zip(features.feature_names, features.status[0])},
             timings_ms=timer.finish(),
         )
+
+    def _write_back(self, user: int | str, features, transaction: Mapping[str, Any]) -> None:
+        """Queue the counters' update (returns at once; the push runs in the writer's background)."""
+        update, writer = self.counter_update, self.writer
+        row = update.row(user, features, transaction)
+        if row is None:
+            writer.skip(update.push_source)
+        else:
+            writer.submit(update.push_source, row)
 
     async def _served_threshold(self) -> float:
         """The served model's decision threshold (metadata is cached by the client: no extra call)."""

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from scorestack import schema
-from scorestack.client.requests import ScoringPath, entity_id, numeric_fields, record
+from scorestack.client.requests import ScoringPath, numeric_fields, record
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import RequestValidationError
@@ -64,7 +64,7 @@ class RankingService(ScoringPath):
             raise RequestValidationError("candidate_ids", "empty; send at least one candidate")
         if n > self.max_candidates:
             raise RequestValidationError("candidate_ids", f"{n} candidates exceed the limit of {self.max_candidates}; split the request")
-        ids = [entity_id(v, f"candidate_ids[{i}]") for i, v in enumerate(candidate_ids)]
+        ids = [self.entity_id(v, "item_id", f"candidate_ids[{i}]") for i, v in enumerate(candidate_ids)]
         if len(set(ids)) != n:
             seen: set[int] = set()
             dup = next(i for i in ids if i in seen or seen.add(i))
@@ -74,7 +74,7 @@ class RankingService(ScoringPath):
     async def rank(self, user_id: Any, candidate_ids: Any, context: Mapping[str, Any]) -> RankedList:
         timer = PhaseTimer()
         with timer.phase("validate"):
-            user = entity_id(user_id, "user_id")
+            user = self.entity_id(user_id, "user_id")
             items = self._validate_candidates(candidate_ids)
             fetch = asyncio.ensure_future(self.fetcher.fetch(self.feature_service, {"user_id": user, "item_id": items}))
             try:

@@ -1,16 +1,17 @@
-"""Validation of fraud and ranking requests at the edge: every error names the field and the fix."""
+"""What the fraud and ranking request paths share: the scoring base class and where features go.
+
+Input validation lives in one module for the fetch layer and the request paths alike
+(`scorestack.validation`); its functions are re-exported here for the paths' convenience.
+"""
 
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Any, Mapping, Sequence
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from scorestack.errors import RequestValidationError
+from scorestack.validation import entity_id, number, numeric_fields, record
 
 if TYPE_CHECKING:
     import asyncio
@@ -19,49 +20,7 @@ if TYPE_CHECKING:
     from scorestack.client.triton import TritonClient
     from scorestack.features.fetch import FeatureFetcher
 
-_INT64_MAX = 2**63 - 1
-
-
-def entity_id(value: Any, field: str) -> int:
-    """A positive int64 entity id (bools and floats are refused: an id is not a measurement)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise RequestValidationError(field, f"must be an integer id, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if not 0 < value <= _INT64_MAX:
-        raise RequestValidationError(field, f"must be a positive int64 id, got {value}")
-    return value
-
-
-def number(value: Any, field: str) -> float:
-    """A finite real number; bools count as 0/1 for flag fields."""
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, numbers.Real):
-        raise RequestValidationError(field, f"must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise RequestValidationError(field, f"must be finite, got {value}; send a real value (NaN and infinity are not allowed)")
-    if abs(value) > 3.4e38:
-        raise RequestValidationError(field, f"{value} does not fit float32")
-    return value
-
-
-def record(payload: Any, required: Sequence[str], *, name: str, allowed: Sequence[str] = ()) -> dict[str, Any]:
-    """Check that `payload` is a mapping with exactly the `required` (+ `allowed`) keys."""
-    if not isinstance(payload, Mapping):
-        raise RequestValidationError(name, f"must be a mapping of field -> value, got {type(payload).__name__}")
-    missing = [f for f in required if f not in payload]
-    if missing:
-        raise RequestValidationError(f"{name}.{missing[0]}" if name else missing[0], f"missing; required fields: {', '.join(missing)}")
-    known = set(required) | set(allowed)
-    unknown = sorted(str(k) for k in payload if k not in known)
-    if unknown:
-        raise RequestValidationError(f"{name}.{unknown[0]}" if name else unknown[0], f"unknown field; expected only {', '.join(sorted(known))}")
-    return dict(payload)
-
-
-def numeric_fields(payload: Mapping[str, Any], fields: Sequence[str], prefix: str = "") -> np.ndarray:
-    return np.array([number(payload[f], f"{prefix}{f}") for f in fields], dtype=np.float32)
+__all__ = ["ScoringPath", "column_plan", "entity_id", "number", "numeric_fields", "record"]
 
 
 def column_plan(model_features: Sequence[str], store_features: Sequence[str], request_fields: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -107,6 +66,12 @@ class ScoringPath:
         self.deadline_s = deadline_s
         self.feature_names = tuple(feature_names)
         self._store_cols, self._request_cols = column_plan(self.feature_names, fetcher.feature_names(feature_service), self.request_fields)
+        # The join keys' Feast types decide what an id may be (scorestack.validation.entity_id).
+        self.key_types: dict[str, str] = {k: t for k, t in fetcher.inputs(feature_service).items()}
+
+    def entity_id(self, value: Any, key: str, field: str | None = None) -> int | str:
+        """`value` checked as an id of join key `key` of the feature service (one rule everywhere)."""
+        return entity_id(value, field or key, self.key_types.get(key, "Int64"))
 
     async def _features_matrix(self, timer: "PhaseTimer", fetch: "asyncio.Future", request_values: np.ndarray):
         """Wait for the fetch (phase `features_wait`; the fetch's own time is `features`), then

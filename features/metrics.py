@@ -12,7 +12,7 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0
 
 
 @contextmanager
-def _in_process_values() -> Iterator[None]:
+def in_process_values() -> Iterator[None]:
     """Create metric values in process memory even when Feast switched prometheus_client to multiprocess mode.
 
     `import feast` sets PROMETHEUS_MULTIPROCESS_DIR (feast/metrics.py, for its Gunicorn server), which
@@ -39,7 +39,7 @@ class FetchMetrics:
         backends: Iterable[str] = (),
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        with _in_process_values():
+        with in_process_values():
             self._create(self.registry, tuple(services), tuple(views), tuple(backends))
 
     def _create(self, r: CollectorRegistry, services: tuple[str, ...], views: tuple[str, ...], backends: tuple[str, ...]) -> None:

@@ -12,7 +12,7 @@ import shutil
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 import numpy as np
 import pandas as pd
@@ -39,15 +39,25 @@ def default_repo_dir() -> Path:
     return paths.workspace() / "feature_repo"
 
 
+# TLS options of a rediss:// URL (query parameters), passed to redis-py by Feast and the direct reader.
+TLS_FILE_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+TLS_OPTIONS = (*TLS_FILE_OPTIONS, "ssl_cert_reqs", "ssl_check_hostname")
+
+
 def redis_connection_string(
     redis_url: str,
     socket_timeout_s: float = REDIS_SOCKET_TIMEOUT_S,
     socket_connect_timeout_s: float = REDIS_CONNECT_TIMEOUT_S,
 ) -> str:
-    """Feast's `host:port,db=N,...` form of a `redis://[:password@]host:port/db` URL, retries off."""
+    """Feast's `host:port,db=N,...` form of a `redis[s]://[user:password@]host:port/db[?tls options]` URL, retries off.
+
+    `rediss://` turns TLS on; its query may name `ssl_ca_certs` (the CA file that signed the
+    server's certificate), `ssl_certfile` + `ssl_keyfile` (a client certificate, for servers that
+    require one), `ssl_cert_reqs` (required, optional or none) and `ssl_check_hostname`.
+    """
     url = urlparse(redis_url)
     if url.scheme not in ("redis", "rediss") or not url.hostname:
-        raise FeatureError(f"redis_url: expected redis://host:port/db, got {redis_url!r}")
+        raise FeatureError(f"redis_url: expected redis://host:port/db or rediss://host:port/db, got {redis_url!r}")
     db = url.path.lstrip("/") or "0"
     if not db.isdigit():
         raise FeatureError(f"redis_url: database must be a number, got {db!r} in {redis_url!r}")
@@ -56,8 +66,31 @@ def redis_connection_string(
         parts.append(f"password={unquote(url.password)}")
     if url.username:
         parts.append(f"username={unquote(url.username)}")
+    options = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+    unknown = sorted(set(options) - set(TLS_OPTIONS))
+    if unknown:
+        raise FeatureError(f"redis_url: unknown option(s) {unknown}; supported: {', '.join(TLS_OPTIONS)}")
+    if options and url.scheme != "rediss":
+        raise FeatureError(f"redis_url: TLS options {sorted(options)} need a rediss:// URL")
     if url.scheme == "rediss":
         parts.append("ssl=true")
+        for name, value in options.items():
+            if "," in value or "=" in value:
+                raise FeatureError(f"redis_url: {name}={value!r} may not contain ',' or '=' (Feast's connection string separators)")
+            if name in TLS_FILE_OPTIONS:
+                path = Path(value).expanduser().resolve()
+                if not path.is_file():
+                    raise FeatureError(f"redis_url: {name} file {path} does not exist")
+                value = str(path)
+            elif name == "ssl_cert_reqs" and value not in ("required", "optional", "none"):
+                raise FeatureError(f"redis_url: ssl_cert_reqs must be required, optional or none, got {value!r}")
+            elif name == "ssl_check_hostname":
+                if value.lower() not in ("true", "false"):
+                    raise FeatureError(f"redis_url: ssl_check_hostname must be true or false, got {value!r}")
+                value = value.lower()
+            parts.append(f"{name}={value}")
+        if ("ssl_certfile" in options) != ("ssl_keyfile" in options):
+            raise FeatureError("redis_url: a client certificate needs both ssl_certfile and ssl_keyfile")
     # retry=null: Feast json-decodes it to None, which redis-py turns into "no retries".
     parts += [f"socket_timeout={socket_timeout_s}", f"socket_connect_timeout={socket_connect_timeout_s}", "retry=null"]
     return ",".join(parts)
@@ -161,14 +194,15 @@ def apply(repo_dir: str | Path | None = None) -> "feast.FeatureStore":
 def _load_repo_objects(repo: Path) -> list:
     import importlib.util
 
-    from feast import Entity, FeatureService, FeatureView, FileSource
+    from feast import Entity, FeatureService, FeatureView, OnDemandFeatureView
+    from feast.data_source import DataSource
 
     spec = importlib.util.spec_from_file_location(f"_scorestack_feature_repo_{abs(hash(str(repo)))}", repo / "definitions.py")
     if spec is None or spec.loader is None:
         raise FeatureError(f"repo_dir: cannot load {repo / 'definitions.py'}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    kinds = (Entity, FileSource, FeatureView, FeatureService)
+    kinds = (Entity, DataSource, FeatureView, OnDemandFeatureView, FeatureService)
     return [v for v in vars(module).values() if isinstance(v, kinds)]
 
 

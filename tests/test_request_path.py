@@ -141,6 +141,30 @@ def test_ranking_order_equals_source_ranker(loop, services, compiled_demo, featu
     assert np.all(np.diff(result.scores) <= 0)
 
 
+def test_scored_transaction_moves_the_next_velocity(loop, services, feature_repo):
+    """With a writer, each score pushes the user's velocity counters (off the critical path):
+    a second transaction a moment later is scored with the first one counted."""
+    from scorestack.client.fraud import VELOCITY_UPDATE
+    from scorestack.features.push import FeatureWriter
+
+    client, fetcher, _, _ = services
+    writer = FeatureWriter(store.feature_store(feature_repo), timeout_s=2.0)
+    fraud = FraudService(client, fetcher, model="fraud_xgb", writer=writer)
+    user = 377  # no other test scores this user
+    first_txn, second_txn = _transaction(0, user), _transaction(1, user)
+    first = loop.run_until_complete(fraud.score(first_txn))
+    loop.run_until_complete(writer.drain())
+    second = loop.run_until_complete(fraud.score(second_txn))
+    loop.run_until_complete(writer.close())
+    at = schema.FRAUD_FEATURES.index
+    for name in ("txn_count_1h", "txn_count_24h"):
+        assert second.features[at(name)] == first.features[at(name)] + 1
+    for name in ("amount_sum_1h", "amount_sum_24h"):
+        assert second.features[at(name)] == pytest.approx(first.features[at(name)] + first_txn["amount"], rel=1e-6)
+    assert second.feature_status["txn_count_1h"] == "present"
+    assert writer.count(VELOCITY_UPDATE.push_source, "pushed") == 2
+
+
 def test_one_call_and_chunks_agree(loop, services):
     client, fetcher, _, _ = services
     one = RankingService(client, fetcher, model="ranking_xgb", chunk_size=None)
@@ -209,7 +233,7 @@ def _malformed_transaction(draw):
     elif kind == "extra":
         txn[draw(st.text(min_size=1, max_size=8).filter(lambda k: k not in txn))] = 1.0
     else:
-        txn["user_id"] = draw(st.one_of(st.integers(max_value=0), st.integers(min_value=2**63), st.floats(), st.text(max_size=4), st.booleans(), st.none()))
+        txn["user_id"] = draw(st.one_of(st.integers(max_value=-(2**63) - 1), st.integers(min_value=2**63), st.floats(), st.text(max_size=4), st.booleans(), st.none()))
     return txn
 
 
@@ -226,11 +250,11 @@ def _malformed_ranking(draw):
     user, items, ctx = 5, [1, 2, 3], _context()
     kind = draw(st.sampled_from(["user", "items_type", "item_value", "too_many", "duplicate", "empty", "ctx_drop", "ctx_value", "ctx_extra", "ctx_type"]))
     if kind == "user":
-        user = draw(st.one_of(st.integers(max_value=0), st.floats(), st.text(max_size=3), st.none(), st.booleans()))
+        user = draw(st.one_of(st.integers(max_value=-(2**63) - 1), st.floats(), st.text(max_size=3), st.none(), st.booleans()))
     elif kind == "items_type":
         items = draw(st.one_of(st.none(), st.integers(), st.text(max_size=4), st.dictionaries(st.integers(), st.integers(), max_size=2)))
     elif kind == "item_value":
-        items = [1, draw(st.one_of(st.integers(max_value=0), st.floats(), st.text(max_size=3), st.none(), st.booleans())), 3]
+        items = [1, draw(st.one_of(st.integers(max_value=-(2**63) - 1), st.floats(), st.text(max_size=3), st.none(), st.booleans())), 3]
     elif kind == "too_many":
         items = list(range(1, 1002 + draw(st.integers(0, 50))))
     elif kind == "duplicate":

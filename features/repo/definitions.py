@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
-from feast import Entity, FeatureService, FeatureView, Field, FileSource, ValueType
+from feast import Entity, FeatureService, FeatureView, Field, FileSource, PushSource, ValueType
 from feast.types import Float32
 
 from scorestack import schema
@@ -121,6 +121,11 @@ items_source = FileSource(
 )
 _SOURCES = {"user": users_source, "item": items_source}
 
+# The fraud path writes the velocity counters back after each scored transaction (Feast's push API,
+# scorestack.features.push); materialization still reads the parquet batch source.
+user_txn_velocity_push = PushSource(name="user_txn_velocity_push", batch_source=users_source)
+PUSH_SOURCES = {"user_txn_velocity": user_txn_velocity_push}
+
 
 def _view(name: str) -> FeatureView:
     entity, features = schema.FEATURE_VIEWS[name]
@@ -129,7 +134,7 @@ def _view(name: str) -> FeatureView:
         entities=[_ENTITIES[entity]],
         ttl=VIEW_TTL[name],
         schema=[Field(name=f, dtype=Float32, tags={"default": repr(DEFAULTS[f])}) for f in features],
-        source=_SOURCES[entity],
+        source=PUSH_SOURCES.get(name, _SOURCES[entity]),
         online=True,
         tags={"cache_ttl_s": repr(CACHE_TTL_S[name])},
     )
