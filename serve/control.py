@@ -59,7 +59,7 @@ def load_version(
                 raise admin_refusal(url, key, f"loading model {name!r}", load_error) from exc
             problem = diagnose_tls(url, tls, timeout_s=2.0)
             if problem:
-                raise TlsError(f"hot-swap of model {name!r}: {problem}") from exc
+                raise TlsError(f"hot-swap of model {name!r}: {problem} (Triton's client said: {load_error})") from exc
         else:
             load_error = ""
         deadline = start + timeout_s

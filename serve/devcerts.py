@@ -1,7 +1,8 @@
 """Throwaway TLS material for tests and the local demo: a CA, a server and a client certificate.
 
-Never for production: the CA key sits next to the certificates, lifetimes are short, and nothing
-is revoked. Production certificates come from the operator's own CA (cert-manager, Vault, ...).
+Never for production: the CA key sits next to the certificates (ca.key, so a test can issue more
+client certificates), lifetimes are short, and nothing is revoked. Production certificates come
+from the operator's own CA (cert-manager, Vault, ...).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from scorestack.serve.security import CA_FILE, CLIENT_CERT_FILE, CLIENT_KEY_FILE, SERVER_CERT_FILE, SERVER_KEY_FILE
 
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+CA_KEY_FILE = "ca.key"
 
 
 @dataclass(frozen=True)
@@ -138,5 +140,23 @@ def write_dev_certs(
     _write_key(files.server_key, server_key)
     _write_cert(files.client_cert, client)
     _write_key(files.client_key, client_key)
-    # The CA's key is not kept: nothing else can be signed with this throwaway CA.
+    _write_key(d / CA_KEY_FILE, ca_key)
     return files
+
+
+def issue_client_cert(directory: str | os.PathLike[str], name: str, *, expired: bool = False, days: int = 7) -> tuple[Path, Path]:
+    """Sign one more client certificate with the throwaway CA in `directory`: (cert, key) as `<name>.crt`, `<name>.key`."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    d = Path(directory)
+    ca = x509.load_pem_x509_certificate((d / CA_FILE).read_bytes())
+    ca_key = serialization.load_pem_private_key((d / CA_KEY_FILE).read_bytes(), password=None)
+    now = dt.datetime.now(dt.timezone.utc)
+    start, end = (now - dt.timedelta(days=2), now - dt.timedelta(days=1)) if expired else (now - dt.timedelta(minutes=5), now + dt.timedelta(days=days))
+    key = _key()
+    cert = _issue(name, key, ca.subject, ca_key, not_before=start, not_after=end, server=False, hosts=())
+    cert_path, key_path = d / f"{name}.crt", d / f"{name}.key"
+    _write_cert(cert_path, cert)
+    _write_key(key_path, key)
+    return cert_path, key_path

@@ -267,6 +267,9 @@ def diagnose_tls(url: str, tls: ClientTls | None, timeout_s: float = 1.0) -> str
             )
         ctx = ssl.create_default_context(cafile=str(tls.ca))
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        # gRPC's server hangs up at once on a TLS connection that did not negotiate HTTP/2 (seen:
+        # without ALPN "h2" every connection closes after the handshake, which reads like a refusal).
+        ctx.set_alpn_protocols(["h2"])
         if tls.cert is not None and tls.key is not None:
             ctx.load_cert_chain(str(tls.cert), str(tls.key))
         try:
@@ -289,7 +292,8 @@ def diagnose_tls(url: str, tls: ClientTls | None, timeout_s: float = 1.0) -> str
             return f"Triton at {url} does not speak TLS (it closed the connection during the TLS handshake: {exc}): the server runs in plaintext; start it with TLS or connect without tls"
         with conn:
             # TLS 1.3 servers check the client certificate after the handshake: their refusal arrives
-            # as an alert on the first read. A server that accepted us sends its HTTP/2 settings.
+            # on the first read (an alert, or gRPC simply hanging up). A server that accepted us
+            # sends its HTTP/2 SETTINGS frame unprompted.
             try:
                 conn.settimeout(min(timeout_s, 0.5))
                 data = conn.recv(64)
