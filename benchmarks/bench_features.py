@@ -12,7 +12,8 @@ temporary directory (a db and project of its own), then times, interleaved round
   - 50 concurrent single-user fraud fetches through the fetch layer, coalesced (same event-loop
     turn, or a 200 us window) or not, on the direct reader and on Feast's async reads (cache off);
     and the same one fetch at a time, to show what a window costs when there is nothing to share.
-Writes benchmarks/results/features.json and features.md and prints the table.
+Writes benchmarks/results/features.json and features.md (with the machine's load average, which
+other agents share) and prints the table.
 """
 
 from __future__ import annotations
@@ -36,6 +37,47 @@ from scorestack.features.fetch import FeatureFetcher
 RESULTS = Path(__file__).resolve().parent / "results"
 PROJECT = "bench_features"
 N_USERS, N_ITEMS = 5000, 2000
+
+
+# Appended to the benchmark's copy of the demo definitions: a ranking service with an on-demand
+# view fed by request data, once per transformation mode, written as Feast's templates write them.
+ODFV_DEFINITIONS = """
+
+import pandas as pd
+from feast import RequestSource
+from feast.on_demand_feature_view import on_demand_feature_view
+from feast.types import Float64
+
+ranking_request = RequestSource(name="ranking_request", schema=[Field(name="ctx_budget", dtype=Float64)])
+
+
+@on_demand_feature_view(
+    sources=[user_ranking_profile, item_stats, ranking_request],
+    schema=[Field(name="price_gap", dtype=Float64), Field(name="over_budget", dtype=Float64)],
+    mode="pandas",
+)
+def ranking_price_pandas(inputs: pd.DataFrame) -> pd.DataFrame:
+    df = pd.DataFrame()
+    df["price_gap"] = inputs["item_price_level"] - inputs["user_pref_price_level"]
+    df["over_budget"] = (inputs["item_price"] > inputs["ctx_budget"]).astype("float64")
+    return df
+
+
+@on_demand_feature_view(
+    sources=[user_ranking_profile, item_stats, ranking_request],
+    schema=[Field(name="price_gap", dtype=Float64), Field(name="over_budget", dtype=Float64)],
+    mode="python",
+)
+def ranking_price_python(inputs: dict) -> dict:
+    return {
+        "price_gap": [i - u for i, u in zip(inputs["item_price_level"], inputs["user_pref_price_level"])],
+        "over_budget": [float(p > b) for p, b in zip(inputs["item_price"], inputs["ctx_budget"])],
+    }
+
+
+ranking_odfv_pandas = FeatureService(name="ranking_odfv_pandas", features=[user_ranking_profile, item_stats, ranking_price_pandas])
+ranking_odfv_python = FeatureService(name="ranking_odfv_python", features=[user_ranking_profile, item_stats, ranking_price_python])
+"""
 
 
 def _summary(samples_s: list[float]) -> dict[str, float]:
@@ -113,6 +155,59 @@ async def bench_ranking(repo: Path, rounds: int, iterations: int, rng: np.random
     return results
 
 
+async def bench_on_demand(repo: Path, rounds: int, iterations: int, rng: np.random.Generator, n_items: int = 100) -> dict:
+    """One user + `n_items` items with an on-demand view in the service, side by side, interleaved."""
+    fs_sync = store.feature_store(repo)
+    fs_async = store.feature_store(repo)
+    services = ("ranking_odfv_pandas", "ranking_odfv_python")
+    fetcher = FeatureFetcher(fs_sync, backend="direct", cache=False, coalesce_window_s=None, timeout_s=1.0, services=services)
+    await fetcher.start()
+    await fs_async.initialize()
+    results: dict = {}
+    try:
+        for service_name in services:
+            service = fs_sync.get_feature_service(service_name)
+            service_async = fs_async.get_feature_service(service_name)
+            samples: dict[str, list[float]] = {k: [] for k in ("fetch_layer_direct", "feast_sync", "feast_async")}
+            checked = False
+            for _ in range(rounds):
+                for _ in range(iterations):
+                    user = int(rng.integers(1, N_USERS + 1))
+                    items = [int(i) for i in rng.choice(np.arange(1, N_ITEMS + 1), n_items, replace=False)]
+                    budget = float(rng.uniform(10, 80))
+                    rows = [{"user_id": user, "item_id": i, "ctx_budget": budget} for i in items]
+
+                    t = time.perf_counter()
+                    result = await fetcher.fetch(service_name, {"user_id": user, "item_id": items, "ctx_budget": budget})
+                    samples["fetch_layer_direct"].append(time.perf_counter() - t)
+
+                    t = time.perf_counter()
+                    reference = fs_sync.get_online_features(features=service, entity_rows=rows)
+                    samples["feast_sync"].append(time.perf_counter() - t)
+
+                    t = time.perf_counter()
+                    await fs_async.get_online_features_async(features=service_async, entity_rows=rows)
+                    samples["feast_async"].append(time.perf_counter() - t)
+
+                    if not checked:  # same numbers, on-demand outputs included, or the timing means nothing
+                        ref = reference.to_dict()
+                        expected = np.array([[ref[n][r] for n in result.feature_names] for r in range(n_items)], dtype=np.float32)
+                        np.testing.assert_allclose(result.values, expected, rtol=1e-6)
+                        assert {"price_gap", "over_budget"} <= set(result.feature_names) and not result.degraded
+                        checked = True
+            summary = {k: _summary(v) for k, v in samples.items()}
+            base = summary["fetch_layer_direct"]["p50_ms"]
+            summary["p50_over_fetch_layer_direct"] = {k: summary[k]["p50_ms"] / base for k in samples}
+            results[service_name] = summary
+    finally:
+        await fetcher.close()
+        await fs_async.close()
+        client = getattr(fs_async._get_provider().online_store, "_client_async", None)
+        if client is not None:
+            await client.aclose()
+    return results
+
+
 async def bench_concurrency(repo: Path, rounds: int, bursts: int, rng: np.random.Generator, concurrency: int = 50) -> dict:
     results: dict = {}
     configs = {
@@ -168,6 +263,9 @@ def _markdown(report: dict) -> str:
         f"{report['date']} · {report['machine']} · Redis {report['redis_version']} on 127.0.0.1 · "
         f"Feast {report['feast_version']} · {N_USERS} users, {N_ITEMS} items · {report['rounds']} interleaved rounds",
         "",
+        f"Load average (1/5/15 min) before: {' / '.join(f'{x:.2f}' for x in report['loadavg_before'])}, "
+        f"after: {' / '.join(f'{x:.2f}' for x in report['loadavg_after'])} (2 cores shared with other agents).",
+        "",
         "## One user + N items (ranking request), latency in ms",
         "",
         "| path | N | p50 | p90 | p99 | p50 / direct reader |",
@@ -185,6 +283,25 @@ def _markdown(report: dict) -> str:
             s = summary[path]
             ratio = summary["speedup_p50_vs_direct_reader"][path]
             lines.append(f"| {label} | {n} | {s['p50_ms']:.2f} | {s['p90_ms']:.2f} | {s['p99_ms']:.2f} | {ratio:.1f}x |")
+    lines += [
+        "",
+        "## One user + 100 items, with an on-demand feature view in the service (request data in the rows), latency in ms",
+        "",
+        "| service (transformation mode) | path | p50 | p90 | p99 | p50 / fetch layer |",
+        "|---|---|---|---|---|---|",
+    ]
+    odfv_labels = {
+        "fetch_layer_direct": "fetch layer on the direct reader (computes the view with Feast's transformation)",
+        "feast_sync": "Feast `get_online_features`",
+        "feast_async": "Feast `get_online_features_async`",
+    }
+    for service, summary in report["on_demand"].items():
+        for path, label in odfv_labels.items():
+            s = summary[path]
+            lines.append(
+                f"| {service} | {label} | {s['p50_ms']:.2f} | {s['p90_ms']:.2f} | {s['p99_ms']:.2f} | "
+                f"{summary['p50_over_fetch_layer_direct'][path]:.1f}x |"
+            )
     lines += [
         "",
         "## 50 concurrent single-user fraud fetches (cache off)",
@@ -235,13 +352,17 @@ def main() -> None:
         client.delete(*keys)
     redis_version = client.info("server")["redis_version"]
     rng = np.random.default_rng(0)
+    loadavg_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_features_") as tmp:
         repo = store.init_repo(Path(tmp) / "repo", online="redis", redis_url=args.redis_url, n_users=N_USERS, n_items=N_ITEMS, project=PROJECT)
+        with open(repo / "definitions.py", "a") as definitions:
+            definitions.write(ODFV_DEFINITIONS)
         store.apply(repo)
         t = time.perf_counter()
         store.materialize(repo)
         materialize_s = time.perf_counter() - t
         ranking = asyncio.run(bench_ranking(repo, args.rounds, args.iterations, rng))
+        on_demand = asyncio.run(bench_on_demand(repo, args.rounds, args.iterations, rng))
         concurrency = asyncio.run(bench_concurrency(repo, args.rounds, args.bursts, rng))
         # One fetch at a time: what a coalescing window costs when there is nothing to coalesce.
         sequential = asyncio.run(bench_concurrency(repo, args.rounds, args.bursts * 5, rng, concurrency=1))
@@ -255,11 +376,17 @@ def main() -> None:
         "redis_version": redis_version,
         "feast_version": feast.__version__,
         "rounds": args.rounds,
+        "loadavg_before": loadavg_before,
+        "loadavg_after": os.getloadavg(),
         "materialize_s": materialize_s,
         "ranking": ranking,
+        "on_demand": on_demand,
         "concurrency": concurrency,
         "sequential": sequential,
         "ratio_feast_sync_over_direct_reader_1_100_p50": ranking["1_user_100_items"]["speedup_p50_vs_direct_reader"]["feast_sync"],
+        "ratio_feast_sync_over_fetch_layer_1_100_on_demand_p50": {
+            service: summary["p50_over_fetch_layer_direct"]["feast_sync"] for service, summary in on_demand.items()
+        },
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "features.json").write_text(json.dumps(report, indent=2) + "\n")

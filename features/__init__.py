@@ -1,4 +1,4 @@
-"""The Feast feature repository (fraud, ranking), its demo data and the async feature-fetch layer.
+"""The Feast feature repository (fraud, ranking), its demo data, the async feature-fetch layer and write-back.
 
 Heavy modules (Feast, redis) load on first use: `from scorestack.features import FeatureFetcher`.
 """
@@ -12,6 +12,8 @@ _EXPORTS = {
     "FeatureResult": "scorestack.features.fetch",
     "FeatureStatus": "scorestack.features.fetch",
     "FetchTimings": "scorestack.features.fetch",
+    "FeatureWriter": "scorestack.features.push",
+    "CounterUpdate": "scorestack.features.push",
     "init_repo": "scorestack.features.store",
     "apply": "scorestack.features.store",
     "materialize": "scorestack.features.store",

@@ -296,6 +296,13 @@ class DirectRedisBackend(Backend):
             **params,
         )
 
+    @property
+    def client(self):
+        """The redis.asyncio client (after `start`)."""
+        if self._client is None:
+            raise RuntimeError("direct backend used before start()")
+        return self._client
+
     async def close(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None

@@ -63,6 +63,9 @@ class FeatureFetcher:
         breaker_failures, breaker_cooldown_s: the circuit breaker per backend.
         registry: Prometheus registry for the metrics (default: a new one, `fetcher.registry`).
         max_rows: largest number of entity rows accepted in one fetch.
+        verify: at `start`, check each service `auto` gave the direct reader against Feast's own
+            reads on entities sampled from the store; a service that differs falls back to
+            "feast_async" (`backend_reason` says what differed).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class FeatureFetcher:
         breaker_cooldown_s: float = 1.0,
         registry: "CollectorRegistry | None" = None,
         max_rows: int = 10_000,
+        verify: bool = True,
     ) -> None:
         if not timeout_s > 0:
             raise FeatureError(f"timeout_s: must be > 0, got {timeout_s}")
@@ -106,18 +110,20 @@ class FeatureFetcher:
         self._refused: dict[str, FeatureServiceError] = {} if services is not None else refused
         self.views: dict[str, ViewSpec] = views
         used_backends = {p.backend for p in plans.values() if p.views}
-        self.metrics = FetchMetrics(registry, plans, views, used_backends)
+        self._verify = verify and any(p.auto and p.backend == "direct" for p in plans.values())
+        # A service that fails verification moves to feast_async: its metrics exist from the start.
+        self.metrics = FetchMetrics(registry, plans, views, used_backends | ({"feast_async"} if self._verify else set()))
         self.registry = self.metrics.registry
+        self._breaker_options = (breaker_failures, breaker_cooldown_s)
+        self._window_s = coalesce_window_s
         self._lanes: dict[str, Lane] = {}
         for backend_name in sorted(used_backends):
-            used = {v.name: v for plan in plans.values() if plan.backend == backend_name for v in plan.views}
-            self._lanes[backend_name] = Lane(
-                self._make_backend(backend_name, used),
-                CircuitBreaker(breaker_failures, breaker_cooldown_s),
-                coalesce_window_s,
-                self.metrics,
-            )
+            self._lanes[backend_name] = self._make_lane(backend_name)
         self._started = False
+
+    def _make_lane(self, backend_name: str) -> Lane:
+        used = {v.name: v for plan in self._plans.values() if plan.backend == backend_name for v in plan.views}
+        return Lane(self._make_backend(backend_name, used), CircuitBreaker(*self._breaker_options), self._window_s, self.metrics)
 
     @classmethod
     def from_repo(cls, repo_dir: str | Path | None = None, **options: Any) -> "FeatureFetcher":
@@ -147,8 +153,50 @@ class FeatureFetcher:
             for lane in self._lanes.values():
                 await lane.backend.start()
                 await _warm_up(lane.backend)
+            if self._verify:
+                await self._verify_direct()
             self._started = True
         return self
+
+    async def _verify_direct(self, timeout_s: float = 5.0) -> None:
+        """Keep the direct reader for an `auto` service only where it reads what Feast reads."""
+        from dataclasses import replace
+
+        from scorestack.features.verify import compare, sample_entities
+
+        plans = [p for p in self._plans.values() if p.auto and p.backend == "direct"]
+        direct = self._lanes["direct"].backend
+        reference = FeastThreadBackend({v.name: v for p in plans for v in p.views}, self.store)
+        await reference.start()
+        fallen: list[str] = []
+        try:
+            try:
+                sample = await asyncio.wait_for(sample_entities(direct, reference.views, self.store.config.project), timeout_s)
+            except Exception as exc:  # noqa: BLE001 - an unreachable store is not an error at start
+                logger.warning("direct reader not verified at start: %s: %s", type(exc).__name__, exc)
+                return
+            for plan in plans:
+                wanted = {v.name: list(dict.fromkeys([*sample.get(v.name, []), v.probe_entity()])) for v in plan.views}
+                n = sum(len(e) for e in wanted.values())
+                try:
+                    problem = await asyncio.wait_for(compare(direct, reference, wanted), timeout_s)
+                except Exception as exc:  # noqa: BLE001 - the direct reader failing where Feast reads is a difference too
+                    problem = f"{type(exc).__name__}: {exc}"
+                if problem is None:
+                    self._plans[plan.name] = replace(plan, backend_reason=f"{plan.backend_reason}; read what Feast reads for {n} sampled entities at start")
+                else:
+                    logger.warning("service %s: direct reader differs from Feast (%s); using feast_async", plan.name, problem)
+                    self._plans[plan.name] = replace(
+                        plan, backend="feast_async", backend_reason=f"the direct reader differed from Feast at start ({problem}); Feast's async reads instead"
+                    )
+                    fallen.append(plan.name)
+        finally:
+            await reference.close()
+            direct.round_trips = 0
+        if fallen and "feast_async" not in self._lanes:
+            lane = self._lanes["feast_async"] = self._make_lane("feast_async")
+            await lane.backend.start()
+            await _warm_up(lane.backend)
 
     async def close(self) -> None:
         if self._started:

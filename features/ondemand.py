@@ -32,6 +32,18 @@ def _python_column(values: np.ndarray, present: np.ndarray, dtype: str) -> list:
     return out
 
 
+_ARROW_NUMPY = {"Int64": np.int64, "Int32": np.int64, "Bool": np.bool_, "Float32": np.float64, "Float64": np.float64}
+
+
+def _arrow_column(values: np.ndarray, present: np.ndarray, dtype: str):
+    """The same column `pa.Table.from_pydict(to_dict())` builds in Feast (Python ints -> int64,
+    floats -> double, None -> null), straight from numpy: no Python objects per value."""
+    import pyarrow as pa
+
+    array = values.astype(_ARROW_NUMPY.get(dtype, np.float64))
+    return pa.array(array, mask=None if present.all() else ~present)
+
+
 def compute(
     service: str,
     spec: OdfvSpec,
@@ -76,11 +88,14 @@ def compute(
     computed_status = np.where(worst[rows] == FeatureStatus.STALE, FeatureStatus.STALE, FeatureStatus.PRESENT).astype(np.int8)
     for k, name in enumerate(spec.outputs):
         got = result[name]
-        if not isinstance(got, (list, tuple)):
+        if not isinstance(got, (list, tuple, np.ndarray)):
             got = [got] * len(rows)  # a singleton-mode scalar
         if len(got) != len(rows):
             raise FeatureError(f"feature service {service!r}: on-demand feature view {spec.name!r} returned {len(got)} values of {name!r} for {len(rows)} rows")
-        col = np.array([math.nan if v is None else float(v) for v in got], dtype=np.float64)
+        try:
+            col = np.asarray(got, dtype=np.float64)  # numbers (NaN for nulls): no Python loop
+        except (TypeError, ValueError):
+            col = np.array([math.nan if v is None else float(v) for v in got], dtype=np.float64)
         absent = np.isnan(col)
         values[rows, k] = np.where(absent, spec.defaults[k], col).astype(np.float32)
         status[rows, k] = np.where(absent, FeatureStatus.MISSING, computed_status)
@@ -96,13 +111,15 @@ def _transform(spec: OdfvSpec, rows: np.ndarray, n: int, columns, view_values, v
         inputs[key] = take(columns[key])
     for name, _ in spec.request_fields:
         inputs[name] = take(columns[name])
+    arrow = spec.mode == "pandas"
     for view, features, idx in spec.sources:
         stored, stored_status = view_values[view][0], view_values[view][1]
         if not every:
             stored, stored_status = stored[rows], stored_status[rows]
+        column = _arrow_column if arrow else _python_column
         for feature, j in zip(features, idx):
             present = (stored_status[:, j] == FeatureStatus.PRESENT) | (stored_status[:, j] == FeatureStatus.STALE)
-            inputs[f"{view}__{feature}"] = _python_column(stored[:, j], present, views[view].types[j])
+            inputs[f"{view}__{feature}"] = column(stored[:, j], present, views[view].types[j])
         for feature in spec.raw_sources.get(view, ()):
             inputs[f"{view}__{feature}"] = take(view_values[view][3][feature])
     try:
@@ -112,6 +129,6 @@ def _transform(spec: OdfvSpec, rows: np.ndarray, n: int, columns, view_values, v
         import pyarrow as pa
 
         table = spec.view.transform_arrow(pa.Table.from_pydict(inputs), False)
-        return {name: table.column(name).to_pylist() for name in spec.outputs}
+        return {name: table.column(name).to_numpy(zero_copy_only=False) for name in spec.outputs}
     except KeyError as exc:
         raise FeatureError(f"on-demand feature view {spec.name!r} did not return output {exc}") from None

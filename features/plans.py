@@ -68,6 +68,7 @@ class ServicePlan:
     request_fields: tuple[str, ...]
     backend: str
     backend_reason: str  # why this backend: what `auto` measured and checked, or "asked"
+    auto: bool = False  # chosen by `auto` (the direct reader is then verified against Feast at start)
 
 
 @dataclass
@@ -296,7 +297,7 @@ def _plan(draft: _Draft, views: Mapping[str, ViewSpec], backend, online: str, di
                 positions=np.array([position[("odfv", alias, o)] for o in outputs], np.intp),
             )
         )
-    chosen, reason = _choose(draft.name, backend, online, direct_reason)
+    chosen, reason, auto = _choose(draft.name, backend, online, direct_reason)
     return ServicePlan(
         name=draft.name,
         feature_names=tuple(f for _, _, f in draft.outputs),
@@ -309,6 +310,7 @@ def _plan(draft: _Draft, views: Mapping[str, ViewSpec], backend, online: str, di
         request_fields=tuple(draft.request),
         backend=chosen,
         backend_reason=reason,
+        auto=auto,
     )
 
 
@@ -344,19 +346,16 @@ def _check_backend_names(backend: str | Mapping[str, str], services: list[str]) 
             raise FeatureError(f"backend: {name!r}; expected one of auto, {', '.join(BACKENDS)}")
 
 
-def _choose(service: str, backend: str | Mapping[str, str], online: str, direct_reason: str | None) -> tuple[str, str]:
+def _choose(service: str, backend: str | Mapping[str, str], online: str, direct_reason: str | None) -> tuple[str, str, bool]:
     asked = backend if isinstance(backend, str) else backend.get(service, "auto")
     if asked == "auto":
         if online != "redis":
-            return "feast_sync", f"{online} online store: Feast's reads in a worker thread (the only reader for it)"
+            return "feast_sync", f"{online} online store: Feast's reads in a worker thread (the only reader for it)", True
         if direct_reason is None:
-            return "direct", (
-                "fastest measured on Redis (benchmarks/results/features.md: single user and 1 + 100 items), "
-                "layout checked against Feast's own reads in tests"
-            )
-        return "feast_async", f"the direct reader cannot read this store ({direct_reason}); Feast's async reads instead"
+            return "direct", "fastest measured on Redis (benchmarks/results/features.md: one user, and one user + 100 items)", True
+        return "feast_async", f"the direct reader cannot read this store ({direct_reason}); Feast's async reads instead", True
     if asked in ("feast_async", "direct") and online != "redis":
         raise FeatureError(f"backend: {asked!r} needs the Redis online store; this repository's online store is {online}")
     if asked == "direct" and direct_reason is not None:
         raise FeatureError(f"backend: 'direct' cannot read this store: {direct_reason}; use feast_async")
-    return asked, "asked"
+    return asked, "asked", False

@@ -389,3 +389,39 @@ async def test_store_down_on_demand_outputs_are_defaulted_not_computed(tmp_path,
         result = await fetcher.fetch("driver_activity_v1", [{"driver_id": 1001, "val_to_add": 1, "val_to_add_2": 2}])
     assert result.degraded and (result.status == FeatureStatus.DEFAULTED).all()
     np.testing.assert_array_equal(result.values[0], np.float32([0.25, 7, -1, 0, 0, -2]))
+
+
+async def test_auto_verifies_the_direct_reader_per_service(redis_store):
+    """`auto` keeps the direct reader (fastest) only after it read what Feast reads, at start, for
+    entities sampled from the store: String, compound and Int64 keys alike."""
+    async with FeatureFetcher(redis_store, timeout_s=5.0) as fetcher:
+        for service in ("driver_activity_v1", "merchant_risk"):
+            assert fetcher.backend_of(service) == "direct", fetcher.backend_reason(service)
+            reason = fetcher.backend_reason(service)
+            assert "read what Feast reads" in reason
+            sampled = int(reason.split("for ")[-1].split(" ")[0])
+            assert sampled > len(fetcher._plans[service].views)  # real entities, not only the probes
+        result = await fetcher.fetch("merchant_risk", [{"user_id": 1, "merchant_id": "m-beta"}])
+        assert not result.degraded
+
+
+async def test_auto_falls_back_when_the_direct_reader_differs(redis_store, monkeypatch):
+    """A direct reader that misreads (simulated: a layout change in a future Feast cannot be produced
+    here for real, so its decoder is patched to return wrong numbers) is replaced by Feast's reads."""
+    from scorestack.features import redis_layout
+
+    real = redis_layout.decode_values
+
+    def wrong(cells):
+        values, found = real(cells)
+        return values + 1.0, found
+
+    monkeypatch.setattr(redis_layout, "decode_values", wrong)
+    rows = [{"driver_id": 1001, "val_to_add": 1, "val_to_add_2": 2}]
+    async with FeatureFetcher(redis_store, timeout_s=5.0) as fetcher:
+        assert fetcher.backend_of("driver_activity_v1") == "feast_async"
+        assert "differed from Feast" in fetcher.backend_reason("driver_activity_v1")
+        result = await fetcher.fetch("driver_activity_v1", rows)
+        names = fetcher.feature_names("driver_activity_v1")
+        expected, _ = _reference(redis_store, "driver_activity_v1", rows, names, _defaults(fetcher, "driver_activity_v1"))
+    np.testing.assert_allclose(result.values, expected, rtol=1e-6)
