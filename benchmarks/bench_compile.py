@@ -1,14 +1,18 @@
-"""The compiler's pick against native XGBoost for the demo fraud model, side by side in one process.
+"""The served artifact against native XGBoost at every batch size the server may execute, side by side in one run.
 
-    python benchmarks/bench_compile.py [--models DIR] [--rounds 7]
+    python benchmarks/bench_compile.py [--models DIR] [--rounds 7] [--max-batch 1024]
 
-Trains the demo models if absent (scorestack.compile.train_demo_models), compiles `fraud_xgb` into a
-temporary repository, then times, at batch 1, 64 and 1024:
-  - the selected artifact, through the model runtime in the server environment (the compiler's worker);
-  - native XGBoost through the same runtime and worker (Booster.inplace_predict, nthread=1);
-  - native XGBoost the way a user writes it (XGBClassifier.predict_proba, default threads), in this
-    process; its rounds alternate with the worker's.
-Writes benchmarks/results/compile_fraud_xgb.json and .md and prints the ratios.
+Trains the demo models if absent, compiles the fraud model and the ranker with the spec's batch mix
+and `max_batch_size` 1024 (so the compiler measures its grid up to 1024 and may dispatch by batch
+size), then times, at batch 1, 8, 64, 256 and 1024:
+  - the served artifact: the version folder and config.pbtxt as emitted, through the model runtime in
+    the server environment (the compiler's worker: what Triton's Python backend runs);
+  - native XGBoost through the same runtime and worker (Booster.inplace_predict, the same threads);
+  - native XGBoost the way a user writes it (XGBClassifier.predict_proba / XGBRanker.predict, default
+    threads), in this process; its rounds alternate with the worker's.
+Writes benchmarks/results/compile.json and compile.md: µs per call, ratios, the bands the compiler
+chose, the targets (served >= 1.0x native at every size, >= 15x at batch 1, >= 1.4x at 64) and the
+load of the machine while it ran.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ import json
 import os
 import platform
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
+import yaml
 
 from scorestack.compile import compile_model, emit, train_demo_models
 from scorestack.compile.registry import Artifact
@@ -30,110 +37,35 @@ from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.worker import RuntimeWorker
 from scorestack.triton_config import load_config
 
-BATCHES = (1, 64, 1024)
+BATCHES = (1, 8, 64, 256, 1024)
+MODELS = {"fraud_xgb": "fraud_holdout.npz", "ranking_xgb": "ranking_holdout.npz"}
+TARGETS = {"every size": 1.0, "batch 1": 15.0, "batch 64": 1.4}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=Path, default=workspace() / "models")
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
-
-    import xgboost as xgb
-
-    specs = {p.stem: p for p in train_demo_models(args.models)}
-    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
-        repo = Path(tmp) / "repo"
-        report = compile_model(specs["fraud_xgb"], repo, force=True)
-        sel = report.selected
-        model_file = args.models / "fraud_xgb.json"
-        selected_dir = repo / "fraud_xgb" / str(report.version)
-        selected_cfg = emit.config_dict(load_config(repo / "fraud_xgb" / "config.pbtxt"))
-        # Native XGBoost as the runtime serves it: the same config with the xgboost runner.
-        native_dir = Path(tmp) / "native" / "1"
-        emit.package_version(native_dir, Artifact("native", "xgboost", "python", "model.json", model_file))
-        native_cfg = json.loads(json.dumps(selected_cfg))
-        params = native_cfg["parameters"]
-        params[rt.PARAM_RUNTIME] = {"string_value": "xgboost"}
-        params[rt.PARAM_ARTIFACT] = {"string_value": "model.json"}
-        params[rt.PARAM_THREADS] = {"string_value": "1"}
-        params.pop(rt.PARAM_OUTPUT_COLUMN, None)
-
-        clf = xgb.XGBClassifier()
-        clf.load_model(str(model_file))
-
-        def native_predict_proba(x: np.ndarray) -> np.ndarray:
-            return clf.predict_proba(x)[:, 1:2]
-
-        X = np.load(args.models / "fraud_holdout.npz")["X"]
-        ref = xgb.Booster(model_file=str(model_file)).predict(xgb.DMatrix(X))
-        sel_key = f"selected ({sel.format})"
-        table: dict[str, dict[int, list[float]]] = {k: {b: [] for b in BATCHES} for k in (sel_key, "native inplace_predict", "native predict_proba")}
-        with RuntimeWorker() as worker:
-            worker.load(sel_key, "fraud_xgb", selected_dir, selected_cfg)
-            worker.load("native inplace_predict", "fraud_xgb", native_dir, native_cfg)
-            diffs = {k: float(np.abs(worker.execute(k, X, [len(X)])[0][:, 0] - ref).max()) for k in (sel_key, "native inplace_predict")}
-            diffs["native predict_proba"] = float(np.abs(native_predict_proba(X)[:, 0] - ref).max())
-            for r in range(args.rounds):  # worker rounds alternate with this process's rounds
-                for k, per in worker.measure([sel_key, "native inplace_predict"], X, list(BATCHES), rounds=1, cell_budget_s=0.15, max_calls=2000, min_calls=5, seed=r).items():
-                    for b, v in per.items():
-                        table[k][b].append(v)
-                for b in BATCHES:
-                    table["native predict_proba"][b].append(_median_us(native_predict_proba, np.ascontiguousarray(np.resize(X, (b, X.shape[1])))))
-        table = {k: {b: float(np.median(v)) for b, v in per.items()} for k, per in table.items()}
-
-    ratios = {str(b): table["native inplace_predict"][b] / table[sel_key][b] for b in BATCHES}
-    ratios_user = {str(b): table["native predict_proba"][b] / table[sel_key][b] for b in BATCHES}
-    result = {
-        "benchmark": "compile_fraud_xgb",
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "model": report.source.description,
-        "holdout_rows": int(len(X)),
-        "selected": {"format": sel.format, "runtime": sel.runtime, "threads": sel.threads},
-        "compile_candidates": {c.format: {"status": c.status, "latency_us": c.latency_us, "reason": c.reason} for c in report.candidates},
-        "method": f"{args.rounds} rounds; the selected and native runtimes interleaved in the server-environment worker, "
-        "predict_proba in the project process between them; median µs per call",
-        "latency_us": {k: {str(b): round(v, 2) for b, v in per.items()} for k, per in table.items()},
-        "rows_per_s": {k: {str(b): round(b / v * 1e6) for b, v in per.items()} for k, per in table.items()},
-        "max_abs_diff_vs_source": diffs,
-        "speedup_selected_vs_native_inplace": {k: round(v, 2) for k, v in ratios.items()},
-        "speedup_selected_vs_native_predict_proba": {k: round(v, 2) for k, v in ratios_user.items()},
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "compile_fraud_xgb.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [
-        "# Compiled fraud model vs native XGBoost",
-        "",
-        f"{report.source.description}; {len(X)} held-out rows; {result['method']}; "
-        f"{os.cpu_count()} CPUs ({platform.platform()}). Generated by `benchmarks/bench_compile.py`.",
-        "",
-        "| path | " + " | ".join(f"batch {b} µs" for b in BATCHES) + " | max abs diff |",
-        "|---|" + "---|" * len(BATCHES) + "---|",
-    ]
-    for k, per in table.items():
-        lines.append(f"| {k} | " + " | ".join(f"{per[b]:.1f}" for b in BATCHES) + f" | {diffs[k]:.1e} |")
-    lines += [
-        "",
-        "| speedup of the selected artifact | " + " | ".join(f"batch {b}" for b in BATCHES) + " |",
-        "|---|" + "---|" * len(BATCHES),
-        "| vs native inplace_predict (1 thread) | " + " | ".join(f"{ratios[str(b)]:.2f}x" for b in BATCHES) + " |",
-        "| vs XGBClassifier.predict_proba (default threads) | " + " | ".join(f"{ratios_user[str(b)]:.2f}x" for b in BATCHES) + " |",
-        "",
-        f"The compiler selected **{sel.format}** for the spec's batch mix (batch sizes {report.batch_sizes}, weights "
-        f"{report.batch_weights}); the table above also shows batch 1024, outside that mix.",
-        "",
-    ]
-    (RESULTS / "compile_fraud_xgb.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    for b in BATCHES:
-        print(f"batch {b}: selected {sel.format} is {ratios[str(b)]:.2f}x native inplace_predict, {ratios_user[str(b)]:.2f}x predict_proba")
+def _bench_spec(models: Path, name: str, out: Path, max_batch: int) -> Path:
+    spec = yaml.safe_load((models / f"{name}.yaml").read_text())
+    spec["serving"]["max_batch_size"] = max_batch
+    spec["source"]["path"] = str((models / spec["source"]["path"]).resolve())
+    spec["holdout"] = str((models / spec["holdout"]).resolve())
+    path = out / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
 
 
-def _median_us(fn, x: np.ndarray, budget_s: float = 0.15, max_calls: int = 2000) -> float:  # noqa: ANN001
-    import time
+def _native_config(served: dict[str, Any], threads: int) -> dict[str, Any]:
+    """The served config with the runner swapped for native XGBoost (same tensors, same threads)."""
+    cfg = json.loads(json.dumps(served))
+    params = cfg["parameters"]
+    for key in (rt.PARAM_DISPATCH, rt.PARAM_OUTPUT_COLUMN, rt.PARAM_METHOD):
+        params.pop(key, None)
+    params[rt.PARAM_RUNTIME] = {"string_value": "xgboost"}
+    params[rt.PARAM_ARTIFACT] = {"string_value": "model.json"}
+    params[rt.PARAM_THREADS] = {"string_value": str(threads)}
+    return cfg
 
+
+def _median_us(fn: Callable[[np.ndarray], Any], x: np.ndarray, budget_s: float = 0.15, max_calls: int = 2000) -> float:
     fn(x)
     samples = []
     deadline = time.perf_counter() + budget_s
@@ -142,6 +74,145 @@ def _median_us(fn, x: np.ndarray, budget_s: float = 0.15, max_calls: int = 2000)
         fn(x)
         samples.append((time.perf_counter_ns() - t0) / 1000.0)
     return float(np.median(samples))
+
+
+def bench_model(name: str, models: Path, tmp: Path, rounds: int, max_batch: int) -> dict[str, Any]:
+    import xgboost as xgb
+
+    spec = _bench_spec(models, name, tmp, max_batch)
+    repo = tmp / "repo"
+    report = compile_model(spec, repo, force=True)
+    served_dir = repo / name / str(report.version)
+    served_cfg = emit.config_dict(load_config(repo / name / "config.pbtxt"))
+    threads = int(served_cfg["parameters"][rt.PARAM_THREADS]["string_value"])
+    source = models / f"{name}.json"
+    native_dir = tmp / f"native-{name}" / "1"
+    emit.package_version(native_dir, Artifact("native", "xgboost", "python", "model.json", source))
+    native_cfg = _native_config(served_cfg, threads)
+
+    if report.source.task == "binary":
+        user_model = xgb.XGBClassifier()
+        user_model.load_model(str(source))
+
+        def user_predict(x: np.ndarray) -> np.ndarray:
+            return user_model.predict_proba(x)[:, 1:2]
+
+        user_label = "XGBClassifier.predict_proba"
+    else:
+        user_model = xgb.XGBRanker()
+        user_model.load_model(str(source))
+
+        def user_predict(x: np.ndarray) -> np.ndarray:
+            return user_model.predict(x).reshape(-1, 1)
+
+        user_label = "XGBRanker.predict"
+
+    X = np.load(models / MODELS[name])["X"].astype(np.float32)
+    ref = xgb.Booster(model_file=str(source)).predict(xgb.DMatrix(X)).reshape(-1, 1)
+    keys = {"served": f"served ({report.selected.format})", "native": "native inplace_predict"}
+    table: dict[str, dict[int, list[float]]] = {k: {b: [] for b in BATCHES} for k in (*keys.values(), user_label)}
+    load_before = os.getloadavg()
+    with RuntimeWorker() as worker:
+        worker.load(keys["served"], name, served_dir, served_cfg)
+        worker.load(keys["native"], name, native_dir, native_cfg)
+        diffs = {k: float(np.abs(worker.execute(k, X, [len(X)])[0] - ref).max()) for k in keys.values()}
+        diffs[user_label] = float(np.abs(user_predict(X) - ref).max())
+        for r in range(rounds):  # worker rounds alternate with this process's rounds
+            for k, per in worker.measure(list(keys.values()), X, list(BATCHES), rounds=1, cell_budget_s=0.15, max_calls=2000, min_calls=5, seed=r).items():
+                for b, v in per.items():
+                    table[k][b].append(v)
+            for b in BATCHES:
+                table[user_label][b].append(_median_us(user_predict, np.ascontiguousarray(np.resize(X, (b, X.shape[1])))))
+    load_after = os.getloadavg()
+    med = {k: {b: float(np.median(v)) for b, v in per.items()} for k, per in table.items()}
+    served, native = med[keys["served"]], med[keys["native"]]
+    ratios = {b: native[b] / served[b] for b in BATCHES}
+    ratios_user = {b: med[user_label][b] / served[b] for b in BATCHES}
+    checks = {
+        "every size": min(ratios.values()) >= TARGETS["every size"],
+        "batch 1": ratios[1] >= TARGETS["batch 1"],
+        "batch 64": ratios[64] >= TARGETS["batch 64"],
+    }
+    d = report.dispatch
+    return {
+        "model": name,
+        "description": report.source.description,
+        "holdout_rows": int(len(X)),
+        "spec_batch_sizes": yaml.safe_load(spec.read_text())["serving"]["batch_sizes"],
+        "max_batch_size": max_batch,
+        "selected": {"format": report.selected.format, "runtime": report.selected.runtime, "threads": report.selected.threads},
+        "bands": d.bands if d is not None and d.status == "selected" else [{"format": report.selected.format, "min_rows": 1, "max_rows": max_batch}],
+        "dispatch_decision": d.decision if d is not None else "one verified candidate",
+        "compile_curves_us": d.curves_us if d is not None else {},
+        "latency_us": {k: {str(b): round(v, 2) for b, v in per.items()} for k, per in med.items()},
+        "max_abs_diff_vs_source": diffs,
+        "speedup_served_vs_native": {str(b): round(v, 2) for b, v in ratios.items()},
+        "speedup_served_vs_user": {str(b): round(v, 2) for b, v in ratios_user.items()},
+        "user_label": user_label,
+        "targets_met": checks,
+        "loadavg_before_after": [list(load_before), list(load_after)],
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [
+        "# The served artifact vs native XGBoost, at every batch size the server may execute",
+        "",
+        f"{result['method']}. {result['machine']['cpus']} CPUs ({result['machine']['platform']}), {result['created_at']}. "
+        "Generated by `benchmarks/bench_compile.py`.",
+        "",
+    ]
+    for m in result["models"]:
+        keys = list(m["latency_us"])
+        lines += [
+            f"## {m['model']}",
+            "",
+            f"{m['description']}; {m['holdout_rows']} held-out rows; spec batch sizes {m['spec_batch_sizes']}, max_batch_size {m['max_batch_size']}. "
+            f"Served: **{m['selected']['format']}** ({m['selected']['threads']} thread(s)), bands "
+            + "; ".join(f"{b['format']} {b['min_rows']}-{b['max_rows']} rows" for b in m["bands"])
+            + f". Compiler: {m['dispatch_decision']}. Load average before/after: {m['loadavg_before_after'][0][0]:.2f} / {m['loadavg_before_after'][1][0]:.2f}.",
+            "",
+            "| µs per call | " + " | ".join(f"batch {b}" for b in BATCHES) + " | max abs diff |",
+            "|---|" + "---|" * len(BATCHES) + "---|",
+        ]
+        for k in keys:
+            lines.append(f"| {k} | " + " | ".join(f"{m['latency_us'][k][str(b)]:.1f}" for b in BATCHES) + f" | {m['max_abs_diff_vs_source'][k]:.1e} |")
+        lines += [
+            "",
+            "| speedup of the served artifact | " + " | ".join(f"batch {b}" for b in BATCHES) + " |",
+            "|---|" + "---|" * len(BATCHES),
+            "| vs native inplace_predict (same threads) | " + " | ".join(f"{m['speedup_served_vs_native'][str(b)]:.2f}x" for b in BATCHES) + " |",
+            f"| vs {m['user_label']} (default threads) | " + " | ".join(f"{m['speedup_served_vs_user'][str(b)]:.2f}x" for b in BATCHES) + " |",
+            "",
+            "Targets vs native: " + ", ".join(f"{name} >= {TARGETS[name]}x: {'met' if ok else 'MISSED'}" for name, ok in m["targets_met"].items()) + ".",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=workspace() / "models")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--max-batch", type=int, default=1024)
+    args = parser.parse_args()
+
+    train_demo_models(args.models)
+    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
+        models = [bench_model(name, args.models, Path(tmp), args.rounds, args.max_batch) for name in MODELS]
+    result = {
+        "benchmark": "compile",
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "method": f"{args.rounds} rounds; the served and native runtimes interleaved in the server-environment worker, "
+        "the user's call in the project process between them; median µs per call",
+        "models": models,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "compile.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = render(result)
+    (RESULTS / "compile.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ def compile_command(
     jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Specs compiled at once, each in its own process (timings share the CPUs)."),
     force: bool = typer.Option(False, "--force", "-f", help="Recompile even when spec, source and held-out rows are unchanged."),
     serve_check: bool = typer.Option(True, "--serve-check/--no-serve-check", help="Load each new model in the local Triton and check it over gRPC before it joins the repository."),
+    batch_profile: Optional[Path] = typer.Option(
+        None,
+        "--batch-profile",
+        help="Triton's statistics JSON of the served models (curl HOST:8000/v2/models/stats): fit weights, dispatch bands and batching to the batch sizes they executed.",
+    ),
     serve_url: Optional[str] = typer.Option(None, "--serve-url", help="gRPC address of a Triton serving the repository (e.g. 127.0.0.1:8001): load each new version there (hot-swap)."),
 ) -> None:
     """Compile trained models into verified, measured Triton model folders.
@@ -42,7 +47,7 @@ def compile_command(
             colour = {"compiled": "green", "skipped": "blue", "failed": "red"}[result.status]
             progress.console.log(f"[{colour}]{result.status}[/] {result.name} ({result.duration_s:.1f} s)")
 
-        results = compile_many(specs, repo, jobs=jobs, force=force, on_update=on_update, serve_check=serve_check)
+        results = compile_many(specs, repo, jobs=jobs, force=force, on_update=on_update, serve_check=serve_check, batch_profile=batch_profile)
     swap_errors = []
     if serve_url:
         from scorestack.errors import ServerError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.machinery
+import json
 import math
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ from scorestack.serve import runtime_files
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.triton_config import format_config, parse_config
 
+from .profile import BatchProfile
 from .registry import Artifact
 from .report import TritonSettings
 from .spec import ModelSpec
@@ -29,19 +31,36 @@ MAX_INSTANCES = 4
 MAX_QUEUE_SIZE = 65536
 
 
-def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int, cpus: int, gpu: bool = False) -> TritonSettings:
-    """Triton's batching, queue and instance settings from the spec's budget and the selected artifact's timings."""
+# A profile whose executions joined fewer requests than this on average shows the batcher rarely had
+# two requests to join: the queue delay is then paid by nearly every request and bought nothing.
+MIN_JOINED_REQUESTS = 1.1
+
+
+def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int, cpus: int, gpu: bool = False, profile: BatchProfile | None = None) -> TritonSettings:
+    """Triton's batching, queue and instance settings from the spec's budget, the selected artifact's
+    timings and, when given, the batch profile of the served model."""
     budget = spec.serving.latency_budget_ms * 1000.0
-    max_batch = max(spec.serving.batch_sizes)
+    max_batch = spec.serving.max_batch
     t_max = latency_us[max_batch]
     instances = 1 if gpu else max(1, min(MAX_INSTANCES, cpus // threads))
     slack = budget - SERVER_OVERHEAD_US - t_max
     delay = int(max(0.0, min(MAX_QUEUE_DELAY_US, 0.1 * slack)) // 50 * 50)
+    profile_rule = None
+    if profile is not None:
+        joined = profile.requests_per_execution
+        if joined < MIN_JOINED_REQUESTS:
+            profile_rule = (
+                f"batch profile: {joined:.2f} requests per execution (< {MIN_JOINED_REQUESTS}): the batcher almost never had requests "
+                f"to join, so the queue delay is 0 instead of {delay} µs (a lone request no longer waits for company)."
+            )
+            delay = 0
+        else:
+            profile_rule = f"batch profile: {joined:.2f} requests per execution: the batcher joins requests, so the queue delay stays {delay} µs."
     timeout = int(max(delay + 100, slack))
     drains = max(1, math.floor(timeout / max(t_max, 1.0)))
     queue = int(min(MAX_QUEUE_SIZE, max(max_batch, instances * drains * max_batch)))
     rules = [
-        f"max_batch_size = largest expected batch size = {max_batch}.",
+        f"max_batch_size = serving.max_batch_size (default: the largest expected batch size) = {max_batch}.",
         f"instance_group count = min({MAX_INSTANCES}, CPUs {cpus} // threads per instance {threads}) = {instances}"
         + (" (GPU: one instance per device)" if gpu else "")
         + "; threads per instance = the measured best thread count.",
@@ -55,6 +74,8 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
         f"max_queue_size = instances × ⌊timeout / model time at max batch⌋ × max batch = {instances} × {drains} × {max_batch}, "
         f"clamped to [{max_batch}, {MAX_QUEUE_SIZE}] = {queue}: no more than can drain within the timeout.",
     ]
+    if profile_rule is not None:
+        rules.append(profile_rule)
     if slack <= 0:
         rules.append(f"WARNING: the model alone needs {t_max:.0f} µs at batch {max_batch}, over the budget of {budget:.0f} µs with server overhead.")
     return TritonSettings(
@@ -106,16 +127,15 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
     wi.dims.append(spec.n_features)
     wi.zero_data = True
 
-    params = {
-        rt.PARAM_RUNTIME: artifact.runtime,
-        rt.PARAM_ARTIFACT: artifact.artifact_name,
-        rt.PARAM_THREADS: str(settings.threads),
-        rt.PARAM_INTEGRITY: "sha256",
-    }
-    if artifact.output_column is not None:
-        params[rt.PARAM_OUTPUT_COLUMN] = str(artifact.output_column)
-    if artifact.method is not None:
-        params[rt.PARAM_METHOD] = artifact.method
+    params = {rt.PARAM_RUNTIME: artifact.runtime, rt.PARAM_THREADS: str(settings.threads), rt.PARAM_INTEGRITY: "sha256"}
+    if artifact.bands:
+        params[rt.PARAM_DISPATCH] = json.dumps([b.to_runtime() for b in artifact.bands], separators=(",", ":"))
+    else:
+        params[rt.PARAM_ARTIFACT] = artifact.artifact_name
+        if artifact.output_column is not None:
+            params[rt.PARAM_OUTPUT_COLUMN] = str(artifact.output_column)
+        if artifact.method is not None:
+            params[rt.PARAM_METHOD] = artifact.method
     if spec.task == "binary":
         threshold = spec.serving.decision_threshold
         params[rt.PARAM_DECISION_THRESHOLD] = repr(0.5 if threshold is None else float(threshold))

@@ -49,14 +49,14 @@ def _spec_name(spec: Path) -> str:
     return spec.stem
 
 
-def run_one(spec: str | Path, repository: str | Path, force: bool = False, serve_check: bool = True) -> JobResult:
+def run_one(spec: str | Path, repository: str | Path, force: bool = False, serve_check: bool = True, batch_profile: str | Path | None = None) -> JobResult:
     """Compile one spec in this process and describe the outcome (never raises for a model's failure)."""
     from .pipeline import compile_model
 
     spec = Path(spec)
     t0 = time.perf_counter()
     try:
-        report = compile_model(spec, repository, force=force, serve_check=serve_check)
+        report = compile_model(spec, repository, force=force, serve_check=serve_check, batch_profile=batch_profile)
     except ScorestackError as exc:
         return JobResult(str(spec), _spec_name(spec), "failed", round(time.perf_counter() - t0, 2), error=str(exc))
     except Exception as exc:  # noqa: BLE001 - reported with its traceback tail, the batch goes on
@@ -83,7 +83,7 @@ class _Running:
     started: float
 
 
-def _start(index: int, spec: Path, repository: Path, force: bool, serve_check: bool, tmp: Path) -> _Running:
+def _start(index: int, spec: Path, repository: Path, force: bool, serve_check: bool, tmp: Path, batch_profile: Path | None) -> _Running:
     result_file = tmp / f"{index}-{spec.stem}.json"
     log_file = result_file.with_suffix(".log")
     cmd = [sys.executable, "-m", "scorestack.compile.jobs", "--worker", str(spec), "--repository", str(repository), "--result", str(result_file)]
@@ -91,6 +91,8 @@ def _start(index: int, spec: Path, repository: Path, force: bool, serve_check: b
         cmd.append("--force")
     if not serve_check:
         cmd.append("--no-serve-check")
+    if batch_profile is not None:
+        cmd += ["--batch-profile", str(batch_profile)]
     with open(log_file, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return _Running(spec, proc, result_file, log_file, time.perf_counter())
@@ -117,12 +119,15 @@ def compile_many(
     on_update: Callable[[str, JobResult | None], None] | None = None,
     timeout_s: float = 3600.0,
     serve_check: bool = True,
+    batch_profile: str | Path | None = None,
 ) -> list[JobResult]:
     """Compile every spec, each in its own worker process, `jobs` at a time; results in the specs' order.
 
     `on_update(spec, None)` is called when a spec starts and `on_update(spec, result)` when it ends.
     Parallel jobs share the CPUs the timings are taken on: use jobs=1 where the latency table matters.
+    `batch_profile`: Triton's statistics JSON; each model is fitted to its own entry in it.
     """
+    profile_path = Path(batch_profile).resolve() if batch_profile is not None else None
     repository = Path(repository) if repository is not None else default_repository()
     repository.mkdir(parents=True, exist_ok=True)
     pending = [Path(s) for s in specs]
@@ -134,7 +139,7 @@ def compile_many(
         while order or running:
             while order and len(running) < max(1, jobs):
                 i = order.pop(0)
-                running[i] = _start(i, pending[i], repository, force, serve_check, tmp)
+                running[i] = _start(i, pending[i], repository, force, serve_check, tmp, profile_path)
                 if on_update:
                     on_update(str(pending[i]), None)
             time.sleep(0.05)
@@ -159,8 +164,9 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--result", required=True)
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--no-serve-check", action="store_true")
+    parser.add_argument("--batch-profile")
     args = parser.parse_args(argv)
-    result = run_one(args.worker, args.repository, force=args.force, serve_check=not args.no_serve_check)
+    result = run_one(args.worker, args.repository, force=args.force, serve_check=not args.no_serve_check, batch_profile=args.batch_profile)
     tmp = Path(args.result).with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(result)))
     os.replace(tmp, args.result)

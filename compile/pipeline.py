@@ -15,20 +15,24 @@ from pathlib import Path
 from scorestack.errors import PlatformError, VerificationError
 from scorestack.paths import default_repository
 from scorestack.serve import ensure_server_environment
+from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.worker import RuntimeWorker, WorkerError, project_python_worker
 
-from . import emit, measure, passes, registry, verify
-from .serve_check import check_served
+from . import dispatch, emit, measure, passes, registry, verify
 from .loaders import Holdout, SourceModel, load_holdout, load_source
-from .report import CandidateReport, CompileReport, PassReport, SelectedReport, ServeCheckReport, SourceReport, TritonSettings, render_markdown
+from .profile import BatchProfile, profile_for
+from .report import CandidateReport, CompileReport, DispatchReport, PassReport, ProfileReport, SelectedReport, ServeCheckReport, SourceReport, TritonSettings, render_markdown
+from .serve_check import check_served
 from .spec import ModelSpec, load_spec
 
-COMPILER_VERSION = "scorestack-compile 1"
+COMPILER_VERSION = "scorestack-compile 2"  # 2: measured on a batch-size grid, per-batch-size dispatch
 
 
-def content_hash(spec_path: Path, spec: ModelSpec) -> str:
-    """Hash of everything a compile depends on: spec text, source model, held-out rows, compiler version."""
+def content_hash(spec_path: Path, spec: ModelSpec, profile: BatchProfile | None = None) -> str:
+    """Hash of everything a compile depends on: spec text, source model, held-out rows, batch profile, compiler version."""
     h = hashlib.sha256(COMPILER_VERSION.encode())
+    if profile is not None:
+        h.update(repr((sorted(profile.executions.items()), profile.requests, profile.rows)).encode())
     files = [spec_path, spec.source.path, spec.holdout]
     dist = spec.optimization.distillation
     if dist is not None and dist.train_rows is not None:
@@ -92,7 +96,7 @@ def _apply_passes(spec: ModelSpec, source: SourceModel, holdout: Holdout, thread
 def _provisional_settings(spec: ModelSpec, threads: int) -> TritonSettings:
     """Settings for the configs candidates are verified and timed with (threads is what they differ in)."""
     return TritonSettings(
-        max_batch_size=max(spec.serving.batch_sizes),
+        max_batch_size=spec.serving.max_batch,
         max_queue_delay_us=0,
         default_timeout_us=0,
         max_queue_size=0,
@@ -188,20 +192,28 @@ def _candidates(
 
 
 def _time_candidates(
-    spec: ModelSpec, model: SourceModel, holdout: Holdout, reports: list[CandidateReport], candidates: dict[str, _Candidate], worker: RuntimeWorker
-) -> None:
-    """Time every verified candidate at every thread count in the worker, interleaved; drop any that fails there."""
+    spec: ModelSpec,
+    model: SourceModel,
+    holdout: Holdout,
+    reports: list[CandidateReport],
+    candidates: dict[str, _Candidate],
+    worker: RuntimeWorker,
+    sizes: tuple[int, ...],
+    weights: dict[int, float],
+) -> dict[int, dict[str, dict[int, float]]]:
+    """Time every verified candidate at every thread count and batch size of the grid in the worker, interleaved.
+
+    Returns threads -> format -> batch size -> µs per call."""
     keys = {}
     for fmt, cand in candidates.items():
         for t in spec.threads:
             if _key(fmt, t) not in worker.loaded:
                 _load(worker, spec, model, cand, t)
             keys[_key(fmt, t)] = (fmt, t)
-    plan = measure.TimingPlan(batch_sizes=tuple(sorted(set(spec.serving.batch_sizes))))
+    plan = measure.TimingPlan(batch_sizes=sizes)
     table = worker.measure(
         list(keys), holdout.X, list(plan.batch_sizes), rounds=plan.rounds, cell_budget_s=plan.cell_budget_s, max_calls=plan.max_calls, min_calls=plan.min_calls
     )
-    weights = spec.serving.weights()
     for rep in reports:
         if rep.format not in candidates:
             continue
@@ -211,6 +223,64 @@ def _time_candidates(
         rep.latency_us = {str(b): round(v, 2) for b, v in per_t[best_t].items()}
         rep.latency_us_by_threads = {str(t): {str(b): round(v, 2) for b, v in lat.items()} for t, lat in per_t.items()}
         rep.weighted_latency_us = round(measure.weighted_latency(per_t[best_t], weights), 2)
+    return {t: {fmt: table[_key(fmt, t)] for fmt in candidates} for t in spec.threads}
+
+
+def _dispatch(
+    spec: ModelSpec,
+    model: SourceModel,
+    holdout: Holdout,
+    curves_by_threads: dict[int, dict[str, dict[int, float]]],
+    candidates: dict[str, _Candidate],
+    weights: dict[int, float],
+    workdir: Path,
+    worker: RuntimeWorker,
+) -> tuple[DispatchReport, _Candidate | None, int]:
+    """Plan bands from the measured curves; when several formats win, package, verify and time the dispatch.
+
+    Returns the report, the dispatch candidate (None when one format serves every batch size or the
+    dispatch was not verified) and its thread count."""
+    # The thread count whose fastest-format-per-size curve is lowest under the weights.
+    threads = min(curves_by_threads, key=lambda t: sum(w * min(c[b] for c in curves_by_threads[t].values()) for b, w in weights.items()))
+    curves = curves_by_threads[threads]
+    plan = dispatch.plan_bands(curves, weights)
+    rep = DispatchReport(
+        threads=threads,
+        grid=sorted(next(iter(curves.values()))),
+        curves_us={fmt: {str(b): round(v, 2) for b, v in sorted(c.items())} for fmt, c in curves.items()},
+        bands=[{"format": b.format, "min_rows": b.min_rows, "max_rows": b.max_rows} for b in plan.bands],
+        decision=plan.reason,
+        status="single",
+    )
+    if len(plan.bands) == 1:
+        return rep, None, threads
+    art, digests = dispatch.package_dispatch(workdir / "version", plan, {f: c.artifact for f, c in candidates.items()})
+    cand = _Candidate(art, workdir / "version", digests)
+    key = _key("dispatch", threads)
+    try:
+        _load(worker, spec, model, cand, threads)
+    except WorkerError as exc:
+        rep.status, rep.reason = "rejected", f"does not load in the server environment: {exc}"[:700]
+        return rep, None, threads
+    reference = model.predict(holdout.X)
+    v = verify.verify(lambda X, sizes: worker.execute(key, X, sizes), reference, holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows)
+    edges = verify.verify_bands(lambda X, sizes: worker.execute(key, X, sizes), model.predict, holdout, [(b.min_rows, b.max_rows) for b in plan.bands], spec.task, spec.verification.tolerance)
+    rep.max_abs_diff = max(d for d in (v.max_abs_diff, edges.max_abs_diff) if d is not None) if (v.max_abs_diff is not None or edges.max_abs_diff is not None) else None
+    rep.edge_sizes = edges.sizes
+    if not (v.verified and edges.verified):
+        rep.status = "rejected"
+        rep.reason = "verification failed: " + "; ".join(r for r in (v.reason, edges.reason) if r)
+        worker.unload(key)
+        return rep, None, threads
+    # The dispatch timed side by side with its band formats, interleaved, so the report compares like with like.
+    members = {b.format: _key(b.format, threads) for b in plan.bands}
+    t = measure.TimingPlan(batch_sizes=tuple(rep.grid))
+    table = worker.measure([key, *members.values()], holdout.X, rep.grid, rounds=t.rounds, cell_budget_s=t.cell_budget_s, max_calls=t.max_calls, min_calls=t.min_calls)
+    measured = table[key]
+    rep.measured_us = {label: {str(b): round(v_, 2) for b, v_ in sorted(table[k].items())} for label, k in {"dispatch": key, **members}.items()}
+    rep.weighted_latency_us = round(measure.weighted_latency(measured, weights), 2)
+    rep.status = "selected"
+    return rep, cand, threads
 
 
 def _worker() -> tuple[RuntimeWorker, str]:
@@ -226,6 +296,7 @@ def compile_model(
     repository: str | Path | None = None,
     force: bool = False,
     serve_check: bool = True,
+    batch_profile: str | Path | None = None,
 ) -> CompileReport:
     """Compile one spec into a new version of `<repository>/<name>/` (config.pbtxt, <version>/, report.json, report.md).
 
@@ -236,6 +307,12 @@ def compile_model(
     `force`; the previous report is returned with `skipped=True`. Raises SpecError for an invalid
     spec or unloadable source and VerificationError when no candidate reproduces the model or the
     serving check fails.
+
+    Candidates are timed on every power of two up to the model's max_batch_size (the batch sizes the
+    dynamic batcher may form); where different formats win different sizes, the emitted version
+    holds them all with a table from batch size to format (compile/dispatch.py). `batch_profile`:
+    Triton's statistics JSON of the served model; its executed batch sizes replace the spec's
+    weights, and its batching behaviour re-derives the queue delay.
     """
     started = time.perf_counter()
     spec_path = Path(spec_path).resolve()
@@ -243,7 +320,8 @@ def compile_model(
     repository = Path(repository) if repository is not None else default_repository()
     repository = repository.resolve()
     dest = repository / spec.name
-    digest = content_hash(spec_path, spec)
+    profile = profile_for(batch_profile, spec.name) if batch_profile is not None else None
+    digest = content_hash(spec_path, spec, profile)
     if not force:
         prev = _previous(dest, digest)
         if prev is not None:
@@ -264,16 +342,48 @@ def compile_model(
             if not candidates:
                 why = "; ".join(f"{r.format}: {r.reason}" for r in reports)
                 raise VerificationError(f"model {spec.name}: no candidate reproduces the model ({why})")
-            _time_candidates(spec, model, holdout, reports, candidates, worker)
+            sizes = dispatch.grid(spec.serving.max_batch, tuple(spec.serving.batch_sizes))
+            weights = profile.weights(sizes) if profile is not None else spec.serving.weights()
+            curves = _time_candidates(spec, model, holdout, reports, candidates, worker, sizes, weights)
+            dispatch_report, dispatched, dispatch_threads = None, None, 0
+            if spec.serving.dispatch and len(candidates) > 1:
+                dispatch_report, dispatched, dispatch_threads = _dispatch(spec, model, holdout, curves, candidates, weights, staging / "dispatch", worker)
             verified_in = dict(worker.info, kind=where)
-        weights = spec.serving.weights()
         best = min((r for r in reports if r.format in candidates), key=lambda r: r.weighted_latency_us or float("inf"))
-        best.status = "selected"
-        chosen = candidates[best.format]
+        if dispatched is not None and dispatch_report is not None:
+            chosen = dispatched
+            selected = SelectedReport(
+                format="dispatch",
+                runtime=rt.DISPATCH,
+                backend="python",
+                artifact=chosen.artifact.artifact_name,
+                artifacts=list(dict.fromkeys(b.artifact for b in chosen.artifact.bands)),
+                threads=dispatch_threads,
+                weighted_latency_us=dispatch_report.weighted_latency_us or 0.0,
+                latency_us=dispatch_report.measured_us["dispatch"],
+            )
+            for r in reports:
+                if r.format in {b.format for b in chosen.artifact.bands}:
+                    r.status = "selected"
+        else:
+            best.status = "selected"
+            chosen = candidates[best.format]
+            selected = SelectedReport(
+                format=best.format,
+                runtime=chosen.artifact.runtime,
+                backend=chosen.artifact.backend,
+                artifact=chosen.artifact.artifact_name,
+                artifacts=[chosen.artifact.artifact_name],
+                threads=best.threads or 1,
+                weighted_latency_us=best.weighted_latency_us or 0.0,
+                latency_us=best.latency_us,
+                output_column=chosen.artifact.output_column,
+                method=chosen.artifact.method,
+            )
         art = chosen.artifact
         cpus = os.cpu_count() or 1
-        lat = {int(b): v for b, v in best.latency_us.items()}
-        settings = emit.derive_settings(spec, lat, best.threads or 1, cpus, gpu=art.backend == "tensorrt")
+        lat = {int(b): v for b, v in selected.latency_us.items()}
+        settings = emit.derive_settings(spec, lat, selected.threads, cpus, gpu=art.backend == "tensorrt", profile=profile)
         existing = versions(dest)
         version = max(existing, default=0) + 1
         folder = staging / "repository" / spec.name
@@ -299,27 +409,25 @@ def compile_model(
             ),
             holdout_rows=len(holdout),
             tolerance=spec.verification.tolerance,
-            batch_sizes=sorted(set(spec.serving.batch_sizes)),
+            batch_sizes=list(sizes),
             batch_weights={str(b): round(w, 4) for b, w in weights.items()},
             latency_budget_ms=spec.serving.latency_budget_ms,
             passes=pass_reports,
             candidates=reports,
-            selected=SelectedReport(
-                format=best.format,
-                runtime=art.runtime,
-                backend=art.backend,
-                artifact=art.artifact_name,
-                threads=best.threads or 1,
-                weighted_latency_us=best.weighted_latency_us or 0.0,
-                latency_us=best.latency_us,
-                output_column=art.output_column,
-                method=art.method,
+            selected=selected,
+            dispatch=dispatch_report,
+            batch_profile=None if profile is None else ProfileReport(
+                file=str(Path(batch_profile).resolve()) if batch_profile is not None else "",
+                executions={str(b): n for b, n in profile.executions.items()},
+                requests=profile.requests,
+                rows=profile.rows,
+                requests_per_execution=round(profile.requests_per_execution, 3),
             ),
             triton=settings,
             output={
                 "folder": str(dest),
                 "config": str(dest / "config.pbtxt"),
-                "artifact": str(dest / str(version) / art.artifact_name),
+                "artifacts": [str(dest / str(version) / f) for f in selected.artifacts],
                 "backend": cfg.backend,
                 "input": {"name": cfg.input[0].name, "dims": list(cfg.input[0].dims)},
                 "output": {"name": cfg.output[0].name, "dims": list(cfg.output[0].dims)},
@@ -329,11 +437,12 @@ def compile_model(
             verified_in=verified_in,
         )
         if serve_check:
-            report.serve_check = check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance)
+            edge_sizes = sorted({n for b in art.bands for n in (b.min_rows, b.max_rows)})
+            report.serve_check = check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance, request_sizes=edge_sizes)
             if report.serve_check.status != "passed":
                 previous = f"version {existing[-1]} stays in place" if existing else "nothing was written"
                 raise VerificationError(
-                    f"model {spec.name}: the {best.format} artifact verified in the server environment but failed the serving check "
+                    f"model {spec.name}: the {selected.format} artifact verified in the server environment but failed the serving check "
                     f"in the local Triton: {report.serve_check.reason}; {previous}"
                 )
         else:

@@ -29,12 +29,29 @@ class ConvertContext:
     compile_threads: int = 2
 
 
+@dataclass(frozen=True)
+class DispatchBand:
+    """One band of a dispatch artifact: batches of min_rows..max_rows rows run `artifact` with `runtime`."""
+
+    format: str
+    min_rows: int
+    max_rows: int
+    runtime: str
+    artifact: str  # file name inside the version folder
+    output_column: int | None = None
+    method: str | None = None
+
+    def to_runtime(self) -> dict[str, object]:
+        """The band as the runtime's `scorestack_dispatch` entry (serve/runtime/scorestack_runtime.py)."""
+        return {"min_rows": self.min_rows, "runtime": self.runtime, "artifact": self.artifact, "output_column": self.output_column, "method": self.method}
+
+
 @dataclass
 class Artifact:
     """One converted model on disk and how the model runtime runs it (serve/runtime/scorestack_runtime.py)."""
 
-    format: str  # onnx | native | tl2cgen | hummingbird | tensorrt
-    runtime: str  # a key of the runtime's RUNNERS table: onnxruntime | xgboost | sklearn | tl2cgen | tensorrt
+    format: str  # onnx | native | tl2cgen | hummingbird | tensorrt | dispatch (several, by batch size)
+    runtime: str  # a key of the runtime's RUNNERS table (onnxruntime | xgboost | sklearn | tl2cgen | tensorrt), or "dispatch"
     backend: str  # Triton backend: onnxruntime | python | tensorrt
     artifact_name: str  # file name inside the version folder
     path: Path  # where the artifact lies now
@@ -42,6 +59,7 @@ class Artifact:
     output_column: int | None = None
     method: str | None = None  # sklearn native: predict_proba | predict
     notes: list[str] = field(default_factory=list)
+    bands: tuple[DispatchBand, ...] = ()  # format "dispatch": the formats by batch size (compile/dispatch.py)
 
 
 Converter = Callable[["object", Path, ConvertContext], Artifact]

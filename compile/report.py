@@ -60,15 +60,43 @@ class TritonSettings(_Model):
 
 
 class SelectedReport(_Model):
-    format: str
+    format: str  # a candidate's format, or "dispatch" (several, by batch size: see CompileReport.dispatch)
     runtime: str
     backend: str
-    artifact: str
+    artifact: str  # the file in the version folder (dispatch: the files, comma-separated)
+    artifacts: list[str] = Field(default_factory=list)  # every artifact file in the version folder
     threads: int
     weighted_latency_us: float
     latency_us: dict[str, float]
     output_column: int | None = None
     method: str | None = None
+
+
+class DispatchReport(_Model):
+    """Per-batch-size dispatch: the measured curves, the bands chosen from them, and the dispatch's own check."""
+
+    status: str  # single (one format wins everywhere) | selected | rejected
+    threads: int
+    grid: list[int]  # batch sizes measured: powers of two up to max_batch_size and the spec's sizes
+    curves_us: dict[str, dict[str, float]]  # format -> batch size -> median µs per call, at `threads`
+    bands: list[dict[str, Any]]  # [{format, min_rows, max_rows}], ascending
+    decision: str
+    edge_sizes: list[int] = Field(default_factory=list)  # request sizes verified at every band edge
+    max_abs_diff: float | None = None
+    # The dispatch artifact and its band formats timed again side by side: label -> batch size -> µs.
+    measured_us: dict[str, dict[str, float]] = Field(default_factory=dict)
+    weighted_latency_us: float | None = None
+    reason: str | None = None
+
+
+class ProfileReport(_Model):
+    """The served model's executed batch sizes the compile was fitted to (--batch-profile)."""
+
+    file: str
+    executions: dict[str, int]  # batch size -> executions
+    requests: int
+    rows: int
+    requests_per_execution: float
 
 
 class ServeCheckReport(_Model):
@@ -115,6 +143,8 @@ class CompileReport(_Model):
     artifact_sha256: dict[str, str] = Field(default_factory=dict)  # "<version>/<file>" -> sha256 (also in SHA256SUMS)
     verified_in: dict[str, Any] = Field(default_factory=dict)  # the environment candidates were loaded, verified and timed in
     serve_check: ServeCheckReport | None = None
+    dispatch: DispatchReport | None = None
+    batch_profile: ProfileReport | None = None
 
 
 def _env_line(env: dict[str, Any]) -> str:
@@ -140,7 +170,7 @@ def render_markdown(r: CompileReport) -> str:
         f"- source: `{r.source.path}` ({r.source.format}) — {r.source.description}",
         f"- task: {r.source.task}, {r.source.n_features} features; served model: {r.source.final_model}",
         f"- selected: **{r.selected.format}** (runtime `{r.selected.runtime}`, backend `{r.selected.backend}`, "
-        f"artifact `1/{r.selected.artifact}`, {r.selected.threads} thread(s)); weighted latency {r.selected.weighted_latency_us:.1f} µs",
+        f"artifact `{r.version}/{r.selected.artifact}`, {r.selected.threads} thread(s)); weighted latency {r.selected.weighted_latency_us:.1f} µs",
         f"- version: {r.version} (`{r.version}/`, digests in `{r.version}/SHA256SUMS`)",
         f"- verification: {r.holdout_rows} held-out rows as one joined batch of mixed-size requests and a sample at batch 1, "
         f"through the model runtime in {_env_line(r.verified_in)}; tolerance |Δ| ≤ {r.tolerance:g}",
@@ -181,6 +211,34 @@ def render_markdown(r: CompileReport) -> str:
         lat = " | ".join(f"{c.latency_us[b]:.1f}" if b in c.latency_us else "–" for b in bs)
         w = "–" if c.weighted_latency_us is None else f"{c.weighted_latency_us:.1f}"
         lines.append(f"| {c.format} | {c.status} | {diff} | {c.threads or '–'} | {lat} | {w} | {c.reason or ''} |")
+    if r.dispatch is not None:
+        d = r.dispatch
+        lines += ["", "## Dispatch by batch size", "", f"{d.decision}.", ""]
+        if d.status != "single":
+            lines.append(
+                "Bands: " + "; ".join(f"{b['format']} for {b['min_rows']}-{b['max_rows']} rows" for b in d.bands)
+                + f" ({d.status}" + (f": {d.reason}" if d.reason else f"; verified at request sizes {d.edge_sizes}, max |Δ| {d.max_abs_diff:.2e}") + ")."
+            )
+            lines.append("")
+        grid = [str(b) for b in d.grid]
+        lines += ["µs per call at " + f"{d.threads} thread(s):", "", "| format | " + " | ".join(grid) + " |", "|---|" + "---|" * len(grid)]
+        for fmt, curve in d.curves_us.items():
+            lines.append(f"| {fmt} | " + " | ".join(f"{curve[b]:.1f}" for b in grid) + " |")
+        if d.measured_us:
+            lines += ["", "The dispatch artifact timed side by side with its band formats (interleaved rounds, µs per call):", ""]
+            lines += ["| artifact | " + " | ".join(grid) + " |", "|---|" + "---|" * len(grid)]
+            for label, curve in d.measured_us.items():
+                name = f"**{label}**" if label == "dispatch" else label
+                lines.append(f"| {name} | " + " | ".join(f"{curve[b]:.1f}" for b in grid) + " |")
+    if r.batch_profile is not None:
+        p = r.batch_profile
+        lines += [
+            "",
+            f"Weights from the batch profile `{p.file}`: {p.requests} requests, {p.rows} rows, "
+            f"{sum(p.executions.values())} executions ({p.requests_per_execution:.2f} requests per execution); executed sizes "
+            + ", ".join(f"{b}: {n}" for b, n in p.executions.items())
+            + ".",
+        ]
     t = r.triton
     lines += [
         "",

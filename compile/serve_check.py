@@ -33,31 +33,39 @@ def check_served(
     tolerance: float,
     rows: int = 512,
     ready_timeout_s: float = 120.0,
+    request_sizes: list[int] | None = None,
 ) -> ServeCheckReport:
-    """Start a local Triton on `repository` with only `name`, send held-out rows over gRPC, compare with `predict`."""
+    """Start a local Triton on `repository` with only `name`, send held-out rows over gRPC, compare with `predict`.
+
+    `request_sizes`: also send one request of each of these sizes (a dispatch's band edges), so
+    every format the model holds answers through Triton."""
     from scorestack.serve import LocalTriton
 
     X = holdout.X[sample_indices(len(holdout), rows)]
-    want = predict(X).reshape(len(X), -1)
+    sent = np.concatenate([X] + [holdout.X[np.arange(n) % len(holdout.X)] for n in request_sizes or []])
+    want = predict(sent).reshape(len(sent), -1)
     try:
         with LocalTriton(repository, models=[name], ready_timeout_s=ready_timeout_s) as server:
             client = grpcclient.InferenceServerClient(server.grpc_url)
             try:
                 cfg = client.get_model_config(name, client_timeout=30).config
-                got = np.concatenate([_infer(client, name, cfg, chunk) for chunk in _chunks(X, int(cfg.max_batch_size) or 1)])
+                chunks = _chunks(X, int(cfg.max_batch_size) or 1)
+                for n in request_sizes or []:
+                    chunks.append(holdout.X[np.arange(n) % len(holdout.X)])
+                got = np.concatenate([_infer(client, name, cfg, chunk) for chunk in chunks])
             finally:
                 client.close()
     except ScorestackError as exc:
         return ServeCheckReport(status="failed", reason=str(exc).split("\n--- log tail")[0][:1500])
     except Exception as exc:  # noqa: BLE001 - a gRPC error is the reason the check failed
         return ServeCheckReport(status="failed", reason=f"inference over gRPC failed: {type(exc).__name__}: {exc}"[:1500])
-    got = got.reshape(len(X), -1).astype(np.float64)
+    got = got.reshape(len(sent), -1).astype(np.float64)
     if got.shape != want.shape:
-        return ServeCheckReport(status="failed", rows=len(X), reason=f"served output shape {got.shape}, expected {want.shape}")
+        return ServeCheckReport(status="failed", rows=len(sent), reason=f"served output shape {got.shape}, expected {want.shape}")
     diff = float(np.abs(got - want).max())
     if not np.isfinite(got).all() or diff > tolerance:
-        return ServeCheckReport(status="failed", rows=len(X), max_abs_diff=diff, reason=f"served outputs differ from the source model: max |Δ| {diff:.3g} > tolerance {tolerance:g}")
-    return ServeCheckReport(status="passed", rows=len(X), max_abs_diff=diff)
+        return ServeCheckReport(status="failed", rows=len(sent), max_abs_diff=diff, reason=f"served outputs differ from the source model: max |Δ| {diff:.3g} > tolerance {tolerance:g}")
+    return ServeCheckReport(status="passed", rows=len(sent), max_abs_diff=diff)
 
 
 def _chunks(X: np.ndarray, max_batch: int) -> list[np.ndarray]:

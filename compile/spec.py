@@ -56,6 +56,12 @@ class ServingSpec(_Strict):
     # Versions kept in the repository and served side by side (Triton's version policy `latest`):
     # a recompile adds a version, the oldest beyond this count is removed.
     keep_versions: PositiveInt = 2
+    # The largest batch Triton may form or accept (max_batch_size); default: the largest batch size.
+    # Candidates are measured on a grid of every power of two up to it, not only on batch_sizes.
+    max_batch_size: PositiveInt | None = None
+    # Serve several verified formats, each on the batch sizes where it was measured fastest
+    # (compile/dispatch.py); false keeps one format for every batch size.
+    dispatch: bool = True
 
     @field_validator("batch_weights")
     @classmethod
@@ -64,6 +70,18 @@ class ServingSpec(_Strict):
         if v is not None and sizes is not None and len(v) != len(sizes):
             raise ValueError(f"has {len(v)} entries but batch_sizes has {len(sizes)}")
         return v
+
+    @field_validator("max_batch_size")
+    @classmethod
+    def _covers_batch_sizes(cls, v: int | None, info: ValidationInfo) -> int | None:
+        sizes = info.data.get("batch_sizes")
+        if v is not None and sizes and v < max(sizes):
+            raise ValueError(f"is {v}, below the largest batch size {max(sizes)}")
+        return v
+
+    @property
+    def max_batch(self) -> int:
+        return self.max_batch_size or max(self.batch_sizes)
 
     def weights(self) -> dict[int, float]:
         """Normalized weight per batch size (equal weights by default)."""
@@ -165,6 +183,8 @@ _FIXES = {
     "serving.batch_weights": "give one positive weight per batch size, or omit it",
     "serving.decision_threshold": "give a probability in [0, 1] (binary models only), or omit it for 0.5",
     "serving.keep_versions": "give how many model versions to keep and serve, such as 2",
+    "serving.max_batch_size": "give the largest batch Triton may execute (at least the largest of batch_sizes), or omit it",
+    "serving.dispatch": "write true (serve the fastest format per batch size) or false (one format for all)",
     "threads": "give a thread count such as 1, or a list such as [1, 2]",
     "holdout": "give a .npz file with arrays X and y (and group for ranking)",
     "formats": "use some of onnx, native, tl2cgen, hummingbird, tensorrt",

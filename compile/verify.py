@@ -121,3 +121,38 @@ def verify(execute: Execute, reference: np.ndarray, holdout: Holdout, task: str,
     if ranks is not None and ranks < 1.0:
         reasons.append(f"ranking-order agreement {ranks:.2%} < 100%")
     return Verification(not reasons, diff, labels, ranks, len(idx), len(X), "; ".join(reasons) or None)
+
+
+@dataclass(frozen=True)
+class BandCheck:
+    verified: bool
+    sizes: list[int]  # request sizes sent, each as one request (so the runtime executes exactly that many rows)
+    max_abs_diff: float | None
+    reason: str | None = None
+
+
+def verify_bands(
+    execute: Execute, predict: Callable[[np.ndarray], np.ndarray], holdout: Holdout, bands: list[tuple[int, int]], task: str, tolerance: float
+) -> BandCheck:
+    """Send one request at each band's first and last batch size, so every format of a dispatch runs at its edges.
+
+    Rows are the held-out rows in order, repeated when a band is larger than the held-out set."""
+    sizes = sorted({n for lo, hi in bands for n in (lo, hi)})
+    worst = 0.0
+    for n in sizes:
+        X = holdout.X[np.arange(n) % len(holdout.X)]
+        try:
+            out, errors = execute(X, [n])
+        except Exception as exc:  # noqa: BLE001 - a failure at run time fails the check, with its reason
+            return BandCheck(False, sizes, None, f"batch {n}: failed to run: {exc}")
+        if errors:
+            return BandCheck(False, sizes, None, f"batch {n}: {errors[0]}")
+        want = predict(X).reshape(n, -1)
+        if out.shape != want.shape or not np.isfinite(out).all():
+            return BandCheck(False, sizes, None, f"batch {n}: output shape {out.shape} (expected {want.shape}) or NaN")
+        diff = float(np.abs(out.astype(np.float64) - want).max())
+        worst = max(worst, diff)
+        labels = label_agreement(task, want, out, tolerance)
+        if diff > tolerance or (labels is not None and labels < 1.0):
+            return BandCheck(False, sizes, worst, f"batch {n}: max |Δ| {diff:.3g} (tolerance {tolerance:g}), label agreement {labels}")
+    return BandCheck(True, sizes, worst)

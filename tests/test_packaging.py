@@ -8,7 +8,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,17 +50,3 @@ def test_console_script_lists_the_stages():
     assert out.returncode == 0, out.stderr
     for command in ("serve", "server-env", "demo"):
         assert command in out.stdout
-
-
-def test_docker_compose_stack_is_consistent():
-    # No Docker engine here: check the stack statically.
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    services = compose["services"]
-    assert {"triton", "redis", "prometheus"} <= set(services)
-    triton = services["triton"]
-    assert triton["image"].startswith("nvcr.io/nvidia/tritonserver:")
-    assert "./model_repository:/models:ro" in triton["volumes"]
-    assert "--model-repository=/models" in triton["command"]
-    prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
-    targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
-    assert "triton:8002" in targets and "8002:8002" in triton["ports"]

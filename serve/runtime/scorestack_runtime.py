@@ -10,7 +10,9 @@ Everything a model needs to run was decided by the compiler and written into con
 (the artifact and SHA256SUMS).
 """
 
+import bisect
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -23,6 +25,11 @@ PARAM_OUTPUT_COLUMN = "scorestack_output_column"  # keep this column of a 2-D ra
 PARAM_METHOD = "scorestack_method"  # scikit-learn: predict_proba | predict
 PARAM_INTEGRITY = "scorestack_integrity"  # "sha256": SHA256SUMS must exist and match before loading
 PARAM_DECISION_THRESHOLD = "scorestack_decision_threshold"  # binary: read by clients, not by the runtime
+# Per-batch-size dispatch: a JSON list of bands, each {"min_rows", "runtime", "artifact",
+# "output_column", "method"}, ascending by min_rows from 1. A joined batch of n rows runs on the last
+# band whose min_rows <= n. Set with PARAM_RUNTIME = DISPATCH; the single-artifact keys are then unused.
+PARAM_DISPATCH = "scorestack_dispatch"
+DISPATCH = "dispatch"
 
 # Files the compiler writes into every version folder besides the artifact.
 RUNTIME_FILES = ("model.py", "scorestack_runtime.py")
@@ -244,26 +251,18 @@ class ModelRuntime:
     def __init__(self, name, version_dir, config):
         self.name = name
         params = config_parameters(config)
-        runtime = params.get(PARAM_RUNTIME) or "onnxruntime"
-        if runtime not in RUNNERS:
-            raise RuntimeLoadError(f"model {name}: unknown {PARAM_RUNTIME} {runtime!r}; expected one of {sorted(RUNNERS)}")
         if params.get(PARAM_INTEGRITY) == "sha256":
             check_integrity(name, version_dir)
-        artifact = os.path.realpath(os.path.join(version_dir, params.get(PARAM_ARTIFACT) or "model.onnx"))
-        if not os.path.exists(artifact):
-            raise RuntimeLoadError(f"model {name}: artifact {artifact} not found")
         threads = int(params.get(PARAM_THREADS) or 1)
-        column = (params.get(PARAM_OUTPUT_COLUMN) or "").strip()
-        self.output_column = int(column) if column else None
         self.inputs = [(i["name"], _dtype(i["data_type"])) for i in config["input"]]
         self.outputs = [(o["name"], _dtype(o["data_type"]), [int(d) for d in o["dims"]]) for o in config["output"]]
         self.batched = int(config.get("max_batch_size") or 0) > 0
-        try:
-            self.runner = RUNNERS[runtime](artifact, threads, params, [n for n, _, _ in self.outputs])
-        except RuntimeLoadError as exc:
-            raise RuntimeLoadError(f"model {name}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - any library error means "this artifact does not load here"
-            raise RuntimeLoadError(f"model {name}: cannot load {artifact} with {runtime}: {type(exc).__name__}: {exc}") from None
+        self.bands = [_load_band(name, version_dir, band, threads, params, [n for n, _, _ in self.outputs]) for band in _bands(name, params)]
+        self._starts = [b.min_rows for b in self.bands]
+
+    def band_for(self, n_rows):
+        """The band that runs a joined batch of `n_rows` rows."""
+        return self.bands[bisect.bisect_right(self._starts, n_rows) - 1]
 
     def coerce(self, arrays):
         """Request arrays in config order, as contiguous arrays of the config's dtypes."""
@@ -273,15 +272,16 @@ class ModelRuntime:
 
     def run(self, inputs, n_rows):
         """Run one (joined) batch: `inputs` are (name, array) pairs; returns one array per output."""
-        raw = self.runner.run(inputs)
+        band = self.band_for(n_rows)
+        raw = band.runner.run(inputs)
         outputs = []
         for (name, dtype, dims), value in zip(self.outputs, raw):
             value = np.asarray(value)
-            if self.output_column is not None:
+            if band.output_column is not None:
                 # e.g. predict_proba (n, 2) or TL2cgen's (n, 1, k): keep the column the compiler chose.
                 flat = value.reshape(n_rows, -1)
                 if flat.shape[1] > 1:
-                    value = flat[:, self.output_column]
+                    value = flat[:, band.output_column]
             shape = ([n_rows] if self.batched else []) + [d if d > 0 else -1 for d in dims]
             outputs.append(np.ascontiguousarray(value.reshape(shape).astype(dtype, copy=False)))
         return outputs
@@ -319,6 +319,57 @@ class ModelRuntime:
             return self.run(inputs, n_rows)
         except Exception as exc:  # noqa: BLE001 - reported per request, with the model's name
             return RuntimeError(f"model {self.name}: {type(exc).__name__}: {exc}")
+
+
+class Band:
+    """One artifact and the batch sizes it runs: from `min_rows` up to the next band's start."""
+
+    def __init__(self, min_rows, runtime, artifact, runner, output_column):
+        self.min_rows = min_rows
+        self.runtime = runtime
+        self.artifact = artifact
+        self.runner = runner
+        self.output_column = output_column
+
+
+def _bands(name, params):
+    """The bands the config declares: PARAM_DISPATCH's list, or the single artifact as one band from 1 row."""
+    runtime = params.get(PARAM_RUNTIME) or "onnxruntime"
+    if runtime != DISPATCH:
+        column = (params.get(PARAM_OUTPUT_COLUMN) or "").strip()
+        return [{
+            "min_rows": 1,
+            "runtime": runtime,
+            "artifact": params.get(PARAM_ARTIFACT) or "model.onnx",
+            "output_column": int(column) if column else None,
+            "method": params.get(PARAM_METHOD) or None,
+        }]
+    try:
+        bands = json.loads(params.get(PARAM_DISPATCH) or "")
+        starts = [int(b["min_rows"]) for b in bands]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise RuntimeLoadError(f"model {name}: {PARAM_DISPATCH} must be a JSON list of bands with min_rows, runtime and artifact ({exc})") from None
+    if not starts or starts[0] != 1 or any(b <= a for a, b in zip(starts, starts[1:])):
+        raise RuntimeLoadError(f"model {name}: {PARAM_DISPATCH} bands must start at min_rows 1 and ascend, got {starts}")
+    return bands
+
+
+def _load_band(name, version_dir, band, threads, params, output_names):
+    runtime = band.get("runtime")
+    if runtime not in RUNNERS:
+        raise RuntimeLoadError(f"model {name}: unknown {PARAM_RUNTIME} {runtime!r}; expected one of {sorted(RUNNERS)}")
+    artifact = os.path.realpath(os.path.join(version_dir, band.get("artifact") or "model.onnx"))
+    if not os.path.exists(artifact):
+        raise RuntimeLoadError(f"model {name}: artifact {artifact} not found")
+    runner_params = dict(params, **{PARAM_METHOD: band.get("method") or ""})
+    try:
+        runner = RUNNERS[runtime](artifact, threads, runner_params, output_names)
+    except RuntimeLoadError as exc:
+        raise RuntimeLoadError(f"model {name}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any library error means "this artifact does not load here"
+        raise RuntimeLoadError(f"model {name}: cannot load {artifact} with {runtime}: {type(exc).__name__}: {exc}") from None
+    column = band.get("output_column")
+    return Band(int(band["min_rows"]), runtime, os.path.basename(artifact), runner, None if column is None else int(column))
 
 
 def _dtype(name):
