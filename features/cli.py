@@ -54,11 +54,29 @@ def materialize_command(
     typer.echo(f"materialized into the {fs.config.online_store.type} online store of {fs.repo_path}")
 
 
+def _typed(text: str, dtype: str):
+    """A command-line value as the service's input type wants it (validation happens in the fetch)."""
+    if dtype in ("Int64", "Int32"):
+        try:
+            return int(text)
+        except ValueError:
+            return text  # the fetch names the field and the expected type
+    if dtype in ("Float32", "Float64"):
+        try:
+            return float(text)
+        except ValueError:
+            return text
+    if dtype == "Bool":
+        return text.lower() in ("1", "true", "yes")
+    return text
+
+
 @features_app.command("get")
 def get_command(
-    service: str = typer.Argument(..., help="Feature service: fraud or ranking."),
-    user_id: int = typer.Option(..., "--user-id"),
+    service: str = typer.Argument(..., help="Feature service (e.g. fraud, ranking, or any service of the repository)."),
+    user_id: Optional[int] = typer.Option(None, "--user-id"),
     item_id: list[int] = typer.Option([], "--item-id", help="Item ids (ranking); repeat the option."),
+    row: list[str] = typer.Option([], "--row", help="KEY=VALUE of an entity row: any join key or request field; repeat a key for several rows."),
     repo_dir: Optional[Path] = _REPO_DIR,
     timeout_ms: float = typer.Option(20.0, "--timeout-ms"),
 ) -> None:
@@ -67,8 +85,19 @@ def get_command(
     from scorestack.features.fetch import FeatureFetcher, FeatureStatus
 
     async def run():
-        async with FeatureFetcher.from_repo(repo_dir, timeout_s=timeout_ms / 1000) as fetcher:
-            rows = {"user_id": user_id, "item_id": item_id} if item_id else {"user_id": user_id}
+        async with FeatureFetcher.from_repo(repo_dir, timeout_s=timeout_ms / 1000, services=[service]) as fetcher:
+            inputs = fetcher.inputs(service)
+            columns: dict[str, list] = {}
+            for pair in row:
+                key, sep, value = pair.partition("=")
+                if not sep:
+                    raise FeatureError(f"--row: expected KEY=VALUE, got {pair!r}")
+                columns.setdefault(key, []).append(_typed(value, inputs.get(key, "String")))
+            if user_id is not None:
+                columns["user_id"] = [user_id]
+            if item_id:
+                columns["item_id"] = list(item_id)
+            rows = {k: v[0] if len(v) == 1 else v for k, v in columns.items()}
             return await fetcher.fetch(service, rows)
 
     try:

@@ -104,7 +104,7 @@ class FeatureFetcher:
         if services is not None:
             plans = {name: plan for name, plan in plans.items() if name in named}
             views = {v.name: v for plan in plans.values() for v in plan.views}
-        for name, exc in refused.items():
+        for exc in refused.values():
             logger.warning("%s (fetching it will raise; the other services are served)", exc)
         self._plans: dict[str, ServicePlan] = plans
         self._refused: dict[str, FeatureServiceError] = {} if services is not None else refused

@@ -40,7 +40,7 @@ def _arrow_column(values: np.ndarray, present: np.ndarray, dtype: str):
     floats -> double, None -> null), straight from numpy: no Python objects per value."""
     import pyarrow as pa
 
-    array = values.astype(_ARROW_NUMPY.get(dtype, np.float64))
+    array: np.ndarray = values.astype(_ARROW_NUMPY.get(dtype, np.float64))
     return pa.array(array, mask=None if present.all() else ~present)
 
 

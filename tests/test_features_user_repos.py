@@ -425,3 +425,20 @@ async def test_auto_falls_back_when_the_direct_reader_differs(redis_store, monke
         names = fetcher.feature_names("driver_activity_v1")
         expected, _ = _reference(redis_store, "driver_activity_v1", rows, names, _defaults(fetcher, "driver_activity_v1"))
     np.testing.assert_allclose(result.values, expected, rtol=1e-6)
+
+
+def test_features_get_command_on_a_user_repository(sqlite_store):
+    """`scorestack features get` reads any service of any repository, request data included."""
+    from typer.testing import CliRunner
+
+    from scorestack.features.cli import features_app
+
+    args = ["get", "driver_activity_v1", "--repo-dir", sqlite_store.repo_path, "--timeout-ms", "5000"]
+    rows = ["--row", "driver_id=1001", "--row", "driver_id=9999", "--row", "val_to_add=3", "--row", "val_to_add_2=4"]
+    result = CliRunner().invoke(features_app, [*args, *rows])
+    assert result.exit_code == 0, result.output
+    assert "2 row(s), degraded=False" in result.output
+    assert "[0] conv_rate_plus_val1" in result.output and "[1] conv_rate_plus_val1" in result.output
+    assert "missing" in result.output and "present" in result.output
+    refused = CliRunner().invoke(features_app, ["get", "driver_activity_v2", "--repo-dir", sqlite_store.repo_path, "--row", "driver_id=1"])
+    assert refused.exit_code == 1 and "type Map" in refused.output
