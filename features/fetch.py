@@ -110,7 +110,7 @@ class FeatureFetcher:
         self._refused: dict[str, FeatureServiceError] = {} if services is not None else refused
         self.views: dict[str, ViewSpec] = views
         used_backends = {p.backend for p in plans.values() if p.views}
-        self._verify = verify and any(p.auto and p.backend == "direct" for p in plans.values())
+        self._verify = verify and any(p.auto and p.backend == "direct" and p.views for p in plans.values())
         # A service that fails verification moves to feast_async: its metrics exist from the start.
         self.metrics = FetchMetrics(registry, plans, views, used_backends | ({"feast_async"} if self._verify else set()))
         self.registry = self.metrics.registry
@@ -164,7 +164,7 @@ class FeatureFetcher:
 
         from scorestack.features.verify import compare, sample_entities
 
-        plans = [p for p in self._plans.values() if p.auto and p.backend == "direct"]
+        plans = [p for p in self._plans.values() if p.auto and p.backend == "direct" and p.views]
         direct = self._lanes["direct"].backend
         reference = FeastThreadBackend({v.name: v for p in plans for v in p.views}, self.store)
         await reference.start()

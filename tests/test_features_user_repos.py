@@ -141,6 +141,12 @@ def pair_features(inputs: dict) -> dict:
     }}
 
 
+@on_demand_feature_view(sources=[input_request], schema=[Field(name="val_sum", dtype=Int64)], mode="python")
+def request_only(inputs: dict) -> dict:
+    return {{"val_sum": [a + b for a, b in zip(inputs["val_to_add"], inputs["val_to_add_2"])]}}
+
+
+request_features = FeatureService(name="request_features", features=[request_only])
 driver_activity_v1 = FeatureService(
     name="driver_activity_v1",
     features=[driver_stats[["conv_rate", "avg_daily_trips"]], transformed_conv_rate, driver_python],
@@ -353,6 +359,19 @@ async def test_non_numeric_service_is_refused_by_name_others_served(request, onl
         FeatureFetcher(fs, backend=backend, services=["driver_activity_v2"])
     only = FeatureFetcher(fs, backend=backend, services=["merchant_risk"])
     assert only.services == ("merchant_risk",) and "driver_hourly_stats" not in only.views
+
+
+@pytest.mark.parametrize(("online", "backend"), [("sqlite", "auto"), ("redis", "auto"), ("redis", "direct")])
+async def test_a_service_of_request_data_only(request, online, backend):
+    """An on-demand view of request data alone: nothing to read from the store, still computed."""
+    fs = _store(request, online)
+    rows = [{"val_to_add": 2, "val_to_add_2": 40}, {"val_to_add": -5, "val_to_add_2": 1}]
+    async with FeatureFetcher(fs, backend=backend, timeout_s=5.0, services=["request_features"]) as fetcher:
+        result = await fetcher.fetch("request_features", rows)
+    expected, absent = _reference(fs, "request_features", rows, ("val_sum",), {"val_sum": 0.0})
+    np.testing.assert_array_equal(result.values, expected)
+    np.testing.assert_array_equal(result.values[:, 0], [42, -4])
+    assert not absent.any() and (result.status == FeatureStatus.PRESENT).all() and result.timings.store_s == 0.0
 
 
 @pytest.mark.parametrize(
