@@ -1,4 +1,4 @@
-"""TensorRT engines from the tensorized (hummingbird) ONNX graph, for `target: gpu`.
+"""TensorRT engines for `target: gpu`: from the tensorized (hummingbird) ONNX graph of tree models, and from the exported graph of image models.
 
 TensorRT cannot parse ai.onnx.ml TreeEnsemble ops, so the engine is built from hummingbird's
 tensor-op graph. TensorRT is not installable on the project's CPU machines (PLATFORM_NOTES): there
@@ -61,3 +61,97 @@ def convert_tensorrt(source: SourceModel, workdir: Path, ctx: ConvertContext) ->
 
 for _family in ("xgboost", "sklearn-trees", "sklearn"):
     register_converter(_family, "tensorrt", convert_tensorrt)
+
+
+# --- image models: an engine from the exported ONNX graph (uint8 images in, probabilities out) -------
+VISION_OPT_BATCH = 8
+
+
+def _calibrator(trt, images: np.ndarray, batch: int, cache: Path):  # noqa: ANN001 - the tensorrt module
+    """An entropy calibrator (TensorRT's IInt8EntropyCalibrator2) fed the calibration images from GPU buffers."""
+    import torch
+
+    class Calibrator(trt.IInt8EntropyCalibrator2):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)] or [images]
+            self.i = 0
+            self.device = None  # kept alive while TensorRT reads it
+
+        def get_batch_size(self) -> int:
+            return int(len(self.batches[0]))
+
+        def get_batch(self, names):  # noqa: ANN001, ANN201 - TensorRT's signature
+            if self.i >= len(self.batches):
+                return None
+            self.device = torch.from_numpy(np.ascontiguousarray(self.batches[self.i])).cuda()
+            self.i += 1
+            return [int(self.device.data_ptr())]
+
+        def read_calibration_cache(self):  # noqa: ANN201
+            return cache.read_bytes() if cache.exists() else None
+
+        def write_calibration_cache(self, data) -> None:  # noqa: ANN001
+            cache.write_bytes(bytes(data))
+
+    return Calibrator()
+
+
+def build_vision_engine(
+    onnx_path: Path, out: Path, *, precision: str, image_shape: tuple[int, ...], max_batch: int, calibration: np.ndarray | None = None
+) -> list[str]:
+    """Serialize a TensorRT engine for an image graph: explicit batch, one optimization profile 1 / opt / max_batch.
+
+    precision: "fp16" (FP16 kernels allowed) or "int8" (INT8 with FP16 fallback, scales from an entropy
+    calibrator over `calibration`). Raises Skip when TensorRT is not installed, RuntimeError when it fails."""
+    trt = _import_tensorrt()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(onnx_path.read_bytes()):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse the ONNX graph: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 1 << 30)
+    opt = min(VISION_OPT_BATCH, max_batch)
+    profile = builder.create_optimization_profile()
+    profile.set_shape(schema.IMAGE_INPUT_TENSOR, (1, *image_shape), (opt, *image_shape), (max_batch, *image_shape))
+    config.add_optimization_profile(profile)
+    notes = [f"TensorRT {trt.__version__}, {precision}, optimization profile 1/{opt}/{max_batch}"]
+    config.set_flag(trt.BuilderFlag.FP16)
+    if precision == "int8":
+        if calibration is None or len(calibration) == 0:
+            raise Skip("INT8 engine: no calibration images (spec `calibration`)")
+        config.set_flag(trt.BuilderFlag.INT8)
+        config.int8_calibrator = _calibrator(trt, calibration, min(32, max_batch, len(calibration)), out.with_suffix(".calibration"))
+        config.set_calibration_profile(profile)
+        notes.append(f"INT8 entropy calibration on {len(calibration)} images")
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise RuntimeError("TensorRT engine build failed (see the TensorRT log above)")
+    out.write_bytes(bytes(plan))
+    return notes
+
+
+def _vision_engine(precision: str):
+    def convert(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+        """Image classifier -> fp32 ONNX (preprocessing folded in) -> TensorRT engine (model.plan, platform tensorrt_plan)."""
+        if ctx.target != "gpu":
+            raise Skip("target is cpu: TensorRT engines run on NVIDIA GPUs (set `target: gpu`); the ONNX candidates serve this model")
+        _import_tensorrt()
+        from .convert_torch import export_fp32
+
+        onnx_path, notes = export_fp32(source, workdir / "onnx")
+        path = workdir / "model.plan"
+        notes += build_vision_engine(onnx_path, path, precision=precision, image_shape=tuple(source.image.shape), max_batch=ctx.max_batch_size or 32, calibration=ctx.calibration)
+        fmt = "tensorrt" if precision == "fp16" else "tensorrt-int8"
+        # FP16/INT8 kernels are not exact: the engine is accepted within the accuracy budget, like ONNX INT8.
+        return Artifact(fmt, "tensorrt", "tensorrt", "model.plan", path, exact=False, notes=notes)
+
+    return convert
+
+
+for _family in ("torch-vision", "torchscript-vision", "onnx-vision"):
+    register_converter(_family, "tensorrt", _vision_engine("fp16"))
+    register_converter(_family, "tensorrt-int8", _vision_engine("int8"))

@@ -117,3 +117,79 @@ def _review_threshold(train_scores: np.ndarray, review_rate: float = 0.02) -> fl
     """The score above which the top `review_rate` of training transactions go to review (about
     the fraud rate, 1.5%, plus headroom): a business choice the spec records, not a model property."""
     return round(float(np.quantile(train_scores, 1.0 - review_rate)), 6)
+
+
+# --- image classifiers ------------------------------------------------------------------------------
+VISION_MODELS = ("digits_cnn", "digits_resnet")
+IMAGE_SIZE = 32
+
+
+def digits_images(size: int = IMAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled 8x8 digits (values 0-16), upsampled bilinearly to size x size, as uint8 [n, size, size, 1] (HWC)."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)
+    x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    images = np.clip(np.rint(x.squeeze(1).numpy() * 255.0), 0, 255).astype(np.uint8)[..., None]
+    return images, digits.target.astype(np.int64)
+
+
+def train_vision_models(out_dir: str | Path, *, epochs: int = 15, threads: int = 2, seed: int = 0) -> list[Path]:
+    """Train a small CNN and a small residual network on the upsampled digits into `out_dir` (idempotent) and return their specs.
+
+    Writes digits_train.npz (labelled training images, for pruning's fine-tuning and distillation),
+    digits_calibration.npz (INT8 calibration images, drawn from the training split) and
+    digits_holdout.npz (held-out images with labels: verification and accuracy)."""
+    import torch
+
+    from .vision import to_float
+    from .vision_models import SmallCNN, SmallResNet, TrainData, train
+    from .spec import ImageSpec
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = {name: out / f"{name}.yaml" for name in VISION_MODELS}
+    if all(p.exists() for p in specs.values()):
+        return list(specs.values())
+    X, y = digits_images()
+    tr, te = _split(len(X), seed=7, frac=0.3)
+    scaled = X[tr].astype(np.float64) / 255.0
+    mean, std = round(float(scaled.mean()), 4), round(float(scaled.std()), 4)
+    np.savez(out / "digits_train.npz", X=X[tr], y=y[tr])
+    np.savez(out / "digits_holdout.npz", X=X[te], y=y[te])
+    calib = np.random.default_rng(seed).choice(tr, size=256, replace=False)
+    np.savez(out / "digits_calibration.npz", X=X[np.sort(calib)])
+    image = {"layout": "HWC", "height": IMAGE_SIZE, "width": IMAGE_SIZE, "channels": 1, "scale": 1.0 / 255.0, "mean": [mean], "std": [std]}
+    data = TrainData(to_float(ImageSpec(**image), X[tr]), torch.from_numpy(y[tr]))
+    archs = {
+        "digits_cnn": (SmallCNN, {"n_classes": 10, "in_channels": 1, "widths": [16, 32, 64]}),
+        "digits_resnet": (SmallResNet, {"n_classes": 10, "in_channels": 1, "widths": [16, 32, 64]}),
+    }
+    for name, (cls, kwargs) in archs.items():
+        if specs[name].exists():
+            continue
+        model = train(cls(**kwargs), data, epochs, 3e-3, seed=seed, threads=threads)
+        torch.save(model.state_dict(), out / f"{name}.pt")
+        _write_spec(
+            specs[name],
+            {
+                "name": name,
+                # We trained this state dict a moment ago and the class is the project's own.
+                "source": {"path": f"{name}.pt", "format": "torch-module", "module": f"scorestack.compile.vision_models:{cls.__name__}", "module_kwargs": kwargs, "trusted": True},
+                "task": "image-classification",
+                "inputs": {"dtype": "uint8", "image": image},
+                "outputs": [schema.OUTPUT_TENSORS["image-classification"]],
+                "target": "cpu",
+                # Interactive single images and small batched uploads.
+                "serving": {"batch_sizes": [1, 32], "batch_weights": [0.7, 0.3], "latency_budget_ms": 20, "dispatch": False},
+                "optimization": {"channel_pruning": {"keep_ratio": 0.5, "epochs": 8}, "student": {"widths": [8, 16, 32], "epochs": 15}},
+                "verification": {"tolerance": 1e-4, "sample_rows": 64, "accuracy_budget": 0.01},
+                "threads": [1],
+                "holdout": "digits_holdout.npz",
+                "calibration": "digits_calibration.npz",
+                "train_images": "digits_train.npz",
+            },
+        )
+    return list(specs.values())

@@ -90,19 +90,29 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
     )
 
 
+def input_contract(spec: ModelSpec) -> tuple[str, int, list[int]]:
+    """The input tensor's name, Triton data type and per-row dims: FP32 `features` [n] or UINT8 `images` [H, W, C] / [C, H, W]."""
+    image = spec.inputs.image
+    if spec.is_vision and image is not None:
+        return schema.IMAGE_INPUT_TENSOR, mc.TYPE_UINT8, list(image.shape)
+    return schema.INPUT_TENSOR, mc.TYPE_FP32, [spec.n_features]
+
+
 def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, n_outputs: int) -> mc.ModelConfig:
     """The production config.pbtxt (the contract with the serving stage)."""
     cfg = mc.ModelConfig(name=spec.name, max_batch_size=settings.max_batch_size)
     if artifact.backend == "onnxruntime":
         cfg.backend = "onnxruntime"
-        cfg.default_model_filename = "model.onnx"
+        cfg.default_model_filename = artifact.artifact_name
     elif artifact.backend == "tensorrt":
-        cfg.backend = "tensorrt"
+        # A serialized engine is Triton's `tensorrt_plan` platform (the TensorRT backend serves it).
+        cfg.platform = "tensorrt_plan"
         cfg.default_model_filename = "model.plan"
     else:
         cfg.backend = "python"
-    inp = cfg.input.add(name=schema.INPUT_TENSOR, data_type=mc.TYPE_FP32)
-    inp.dims.append(spec.n_features)
+    in_name, in_type, in_dims = input_contract(spec)
+    inp = cfg.input.add(name=in_name, data_type=in_type)
+    inp.dims.extend(in_dims)
     out = cfg.output.add(name=spec.output_name, data_type=mc.TYPE_FP32)
     out.dims.append(n_outputs)
 
@@ -122,9 +132,9 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
     group.kind = mc.ModelInstanceGroup.KIND_GPU if settings.instance_kind == "KIND_GPU" else mc.ModelInstanceGroup.KIND_CPU
 
     warm = cfg.model_warmup.add(name="zero_batch1", batch_size=1)
-    wi = warm.inputs[schema.INPUT_TENSOR]
-    wi.data_type = mc.TYPE_FP32
-    wi.dims.append(spec.n_features)
+    wi = warm.inputs[in_name]
+    wi.data_type = in_type
+    wi.dims.extend(in_dims)
     wi.zero_data = True
 
     params = {rt.PARAM_RUNTIME: artifact.runtime, rt.PARAM_THREADS: str(settings.threads), rt.PARAM_INTEGRITY: "sha256"}

@@ -51,13 +51,19 @@ class SourceModel:
     objective: str | None = None
     description: str = ""
     history: list[str] = field(default_factory=list)  # passes applied ("pruned to 120 trees", ...)
+    image: Any = None  # image-classification: the spec's ImageSpec (wire layout and folded preprocessing)
+    cache: dict[str, Any] = field(default_factory=dict, repr=False)  # e.g. an ONNX source's inference session
 
     @property
     def framework(self) -> str:
+        if self.image is not None:
+            return "torch" if self.family != "onnx-vision" else "onnx"
         return "xgboost" if self.family == "xgboost" else "sklearn"
 
     @property
     def n_trees(self) -> int | None:
+        if self.image is not None:
+            return None
         if self.family == "xgboost":
             per_round = self.n_classes if self.task == "multiclass" and self.n_classes else 1
             return int(self.model.num_boosted_rounds()) * per_round
@@ -70,7 +76,11 @@ class SourceModel:
         return None
 
     def predict(self, X: np.ndarray) -> np.ndarray:
-        """Reference scores through the library's standard predict path: [n, 1] (or [n, k] for multiclass)."""
+        """Reference scores through the library's standard predict path: [n, 1] (or [n, k] for multiclass and images)."""
+        if self.image is not None:
+            from .vision import predict
+
+            return predict(self, X)
         X = np.ascontiguousarray(X, dtype=np.float32)
         if self.family == "xgboost":
             import xgboost as xgb
@@ -119,7 +129,12 @@ class Holdout:
 
 
 def load_holdout(path: Path, spec: ModelSpec, source: str, field_name: str = "holdout") -> Holdout:
-    """Read a .npz with X [n, n_features] (and y, and group sizes for ranking)."""
+    """Read a .npz with X [n, n_features] (and y, and group sizes for ranking); image models: uint8 images X and labels y."""
+    if spec.is_vision:
+        from .vision import load_images
+
+        images = load_images(path, spec, source, field_name)
+        return Holdout(images.X, images.y, None)
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
@@ -171,6 +186,12 @@ def _xgb_meta(booster: Any) -> tuple[str, int]:
 def load_source(spec: ModelSpec, source: str) -> SourceModel:
     """Load the spec's model file (refusing unpickling unless trusted) and check it matches the spec."""
     fmt, path = spec.source.format, spec.source.path
+    if spec.is_vision or fmt in ("torch-module", "torchscript", "onnx"):
+        if not spec.is_vision:
+            raise SpecError(f"spec {source}: field `task`: a {fmt} source is an image model; set `task: image-classification` (tabular models come as xgboost-json, xgboost-ubj, joblib or pickle)")
+        from .vision import load_vision_source
+
+        return load_vision_source(spec, source)
     if not path.exists():
         raise SpecError(f"spec {source}: field `source.path`: {path} does not exist; give the model file's path, relative to the spec file")
     if fmt in ("joblib", "pickle") and not spec.source.trusted:

@@ -8,9 +8,11 @@ import platform
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
+
+import numpy as np
 
 from scorestack.errors import PlatformError, VerificationError
 from scorestack.paths import default_repository
@@ -18,7 +20,7 @@ from scorestack.serve import ensure_server_environment
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.worker import RuntimeWorker, WorkerError, project_python_worker
 
-from . import dispatch, emit, measure, passes, registry, verify
+from . import dispatch, emit, measure, passes, registry, verify, vision_passes
 from .loaders import Holdout, SourceModel, load_holdout, load_source
 from .profile import BatchProfile, profile_for
 from .report import CandidateReport, CompileReport, DispatchReport, PassReport, ProfileReport, SelectedReport, ServeCheckReport, SourceReport, TritonSettings, render_markdown
@@ -33,7 +35,7 @@ def content_hash(spec_path: Path, spec: ModelSpec, profile: BatchProfile | None 
     h = hashlib.sha256(COMPILER_VERSION.encode())
     if profile is not None:
         h.update(repr((sorted(profile.executions.items()), profile.requests, profile.rows)).encode())
-    files = [spec_path, spec.source.path, spec.holdout]
+    files = [spec_path, spec.source.path, spec.holdout, *(p for p in (spec.calibration, spec.train_images) if p is not None)]
     dist = spec.optimization.distillation
     if dist is not None and dist.train_rows is not None:
         files.append(dist.train_rows)
@@ -77,10 +79,15 @@ def _install(staged: Path, dest: Path, version: int, keep: int) -> None:
         shutil.rmtree(dest / str(old), ignore_errors=True)
 
 
-def _apply_passes(spec: ModelSpec, source: SourceModel, holdout: Holdout, threads: int) -> tuple[SourceModel, list[PassReport]]:
+def _apply_passes(spec: ModelSpec, source: SourceModel, holdout: Holdout, threads: int) -> tuple[SourceModel, list[PassReport], dict[str, SourceModel]]:
+    """The lossy passes. Returns the model the candidates come from, the pass reports, and the variants:
+    tabular passes replace the model (one variant); an image model's pruned and distilled versions are
+    variants beside the source, each converted to every format and selected by measurement."""
     reports: list[PassReport] = []
     model = source
     opt = spec.optimization
+    if spec.is_vision:
+        return source, *_vision_variants(spec, source, holdout, threads)
     if opt.pruning is not None and opt.pruning.enabled:
         model, res = passes.prune(model, holdout, opt.pruning)
         reports.append(res)
@@ -90,7 +97,27 @@ def _apply_passes(spec: ModelSpec, source: SourceModel, holdout: Holdout, thread
             train = load_holdout(opt.distillation.train_rows, spec, spec.name, "optimization.distillation.train_rows")
         model, res = passes.distill(model, holdout, opt.distillation, train, threads=threads)
         reports.append(res)
-    return model, reports
+    return model, reports, {"": model}
+
+
+def _vision_variants(spec: ModelSpec, source: SourceModel, holdout: Holdout, threads: int) -> tuple[list[PassReport], dict[str, SourceModel]]:
+    from .vision import load_images
+
+    opt, budget = spec.optimization, spec.verification.accuracy_budget
+    train = load_images(spec.train_images, spec, spec.name, "train_images") if spec.train_images is not None else None
+    reports: list[PassReport] = []
+    variants = {"": source}
+    if opt.channel_pruning is not None and opt.channel_pruning.enabled:
+        pruned, res = vision_passes.prune_channels(source, holdout, train, opt.channel_pruning, budget, threads)
+        reports.append(res)
+        if pruned is not None and res.accepted:
+            variants["pruned"] = pruned
+    if opt.student is not None and opt.student.enabled:
+        student, res = vision_passes.distill_student(source, holdout, train, opt.student, budget, threads)
+        reports.append(res)
+        if student is not None and res.accepted:
+            variants["distilled"] = student
+    return reports, variants
 
 
 def _provisional_settings(spec: ModelSpec, threads: int) -> TritonSettings:
@@ -112,10 +139,12 @@ class _Candidate:
     artifact: registry.Artifact
     version_dir: Path  # a complete, servable version folder (artifact, runtime, SHA256SUMS)
     digests: dict[str, str]
+    label: str = ""  # the candidate's name in the report and the worker: its format, "<variant>+<format>", or "dispatch"
+    outputs: np.ndarray | None = None  # image models: its verified outputs on every held-out image
 
 
 def _n_outputs(spec: ModelSpec, model: SourceModel) -> int:
-    return int(model.n_classes or 1) if spec.task == "multiclass" else 1
+    return int(model.n_classes or 1) if spec.task in ("multiclass", "image-classification") else 1
 
 
 def _key(fmt: str, threads: int) -> str:
@@ -124,71 +153,120 @@ def _key(fmt: str, threads: int) -> str:
 
 def _load(worker: RuntimeWorker, spec: ModelSpec, model: SourceModel, cand: _Candidate, threads: int) -> float:
     cfg = emit.build_config(spec, cand.artifact, _provisional_settings(spec, threads), _n_outputs(spec, model))
-    return worker.load(_key(cand.artifact.format, threads), spec.name, cand.version_dir, emit.config_dict(cfg))
+    return worker.load(_key(cand.label or cand.artifact.format, threads), spec.name, cand.version_dir, emit.config_dict(cfg))
+
+
+def _calibration(spec: ModelSpec, holdout: Holdout) -> np.ndarray | None:
+    """Image models: the spec's calibration images, else the first 256 held-out images (the report says which)."""
+    if not spec.is_vision:
+        return None
+    if spec.calibration is not None:
+        from .vision import load_images
+
+        return load_images(spec.calibration, spec, spec.name, "calibration", need_labels=False).X
+    return holdout.X[:256]
 
 
 def _candidates(
-    spec: ModelSpec, model: SourceModel, holdout: Holdout, workdir: Path, worker: RuntimeWorker
+    spec: ModelSpec, model: SourceModel, holdout: Holdout, workdir: Path, worker: RuntimeWorker, variants: dict[str, SourceModel] | None = None
 ) -> tuple[list[CandidateReport], dict[str, _Candidate]]:
-    """Convert to every registered format, package each as a version folder, and verify it in the worker."""
-    reference = model.predict(holdout.X)
+    """Convert every variant to every registered format, package each as a version folder, and verify it in the worker."""
+    variants = variants or {"": model}
     ctx = registry.ConvertContext(
         task=spec.task,
         n_features=spec.n_features,
         target=spec.target,
         sample=holdout.X[: min(64, len(holdout))],
         compile_threads=max(1, min(os.cpu_count() or 1, 4)),
+        calibration=_calibration(spec, holdout),
+        max_batch_size=spec.serving.max_batch,
     )
+    source_accuracy = verify.accuracy(model.predict(holdout.X), holdout.y) if spec.is_vision and holdout.y is not None else None
     reports: list[CandidateReport] = []
     verified: dict[str, _Candidate] = {}
     registered = registry.formats_for(model.family)
     for fmt in spec.formats or []:
         if fmt not in registered:
             reports.append(CandidateReport(format=fmt, status="skipped", reason=f"no {fmt} converter for {model.family} models ({model.description}) (this family can become: {', '.join(registered)})"))
-    for fmt in registered:
-        if spec.formats is not None and fmt not in spec.formats:
-            reports.append(CandidateReport(format=fmt, status="skipped", reason="not listed in the spec's `formats`"))
-            continue
-        fdir = workdir / fmt
-        fdir.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        try:
-            art = registry.converter_for(model.family, fmt)(model, fdir, ctx)
-            cand = _Candidate(art, fdir / "version", emit.package_version(fdir / "version", art))
-        except registry.Skip as exc:
-            reports.append(CandidateReport(format=fmt, status="skipped", reason=str(exc)))
-            continue
-        except Exception as exc:  # noqa: BLE001 - a converter's failure rejects that candidate, not the compile
-            reports.append(CandidateReport(format=fmt, status="failed", reason=f"conversion failed: {type(exc).__name__}: {exc}"[:500], convert_s=time.perf_counter() - t0))
-            continue
-        rep = CandidateReport(
-            format=fmt,
-            status="rejected",
-            runtime=art.runtime,
-            backend=art.backend,
-            artifact=art.artifact_name,
-            artifact_bytes=art.path.stat().st_size,
-            convert_s=round(time.perf_counter() - t0, 3),
-            notes=art.notes,
-        )
-        reports.append(rep)
-        try:
-            rep.load_s = round(_load(worker, spec, model, cand, spec.threads[0]), 3)
-        except WorkerError as exc:
-            rep.reason = f"does not load in the server environment: {exc}"[:700]
-            continue
-        key = _key(fmt, spec.threads[0])
-        v = verify.verify(lambda X, sizes: worker.execute(key, X, sizes), reference, holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows)
-        rep.verified, rep.max_abs_diff = v.verified, v.max_abs_diff
-        rep.label_agreement, rep.rank_agreement = v.label_agreement, v.rank_agreement
-        rep.rows_batch1, rep.rows_large = v.rows_batch1, v.rows_large
-        if v.verified:
-            rep.status = "verified"
-            verified[fmt] = cand
-        else:
-            rep.reason = f"verification failed: {v.reason}"
-            worker.unload(key)
+    for variant, vmodel in variants.items():
+        reference = vmodel.predict(holdout.X)
+        for fmt in registry.formats_for(vmodel.family):
+            label = f"{variant}+{fmt}" if variant else fmt
+            if spec.formats is not None and fmt not in spec.formats:
+                if not variant:
+                    reports.append(CandidateReport(format=fmt, status="skipped", reason="not listed in the spec's `formats`"))
+                continue
+            rep = _candidate(spec, vmodel, variant, label, fmt, holdout, reference, source_accuracy, workdir, worker, ctx, verified)
+            if rep is not None:
+                reports.append(rep)
     return reports, verified
+
+
+def _candidate(
+    spec: ModelSpec,
+    model: SourceModel,
+    variant: str,
+    label: str,
+    fmt: str,
+    holdout: Holdout,
+    reference: np.ndarray,
+    source_accuracy: float | None,
+    workdir: Path,
+    worker: RuntimeWorker,
+    ctx: registry.ConvertContext,
+    verified: dict[str, _Candidate],
+) -> CandidateReport | None:
+    """Convert, package, load and verify one candidate; a verified one is added to `verified`."""
+    fdir = workdir / label
+    fdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        art = registry.converter_for(model.family, fmt)(model, fdir, ctx)
+        cand = _Candidate(art, fdir / "version", emit.package_version(fdir / "version", art), label)
+    except registry.Skip as exc:
+        # A skipped format is reported once, for the source model, not again for each variant.
+        return None if variant else CandidateReport(format=label, status="skipped", reason=str(exc))
+    except Exception as exc:  # noqa: BLE001 - a converter's failure rejects that candidate, not the compile
+        return CandidateReport(format=label, status="failed", variant=variant or None, reason=f"conversion failed: {type(exc).__name__}: {exc}"[:500], convert_s=time.perf_counter() - t0)
+    rep = CandidateReport(
+        format=label,
+        status="rejected",
+        runtime=art.runtime,
+        backend=art.backend,
+        artifact=art.artifact_name,
+        artifact_bytes=art.path.stat().st_size,
+        convert_s=round(time.perf_counter() - t0, 3),
+        notes=art.notes,
+    )
+    try:
+        rep.load_s = round(_load(worker, spec, model, cand, spec.threads[0]), 3)
+    except WorkerError as exc:
+        rep.reason = f"does not load in the server environment: {exc}"[:700]
+        return rep
+    key = _key(label, spec.threads[0])
+    execute = lambda X, sizes: worker.execute(key, X, sizes)  # noqa: E731
+    if spec.is_vision and source_accuracy is not None:
+        v = verify.verify_images(
+            execute, reference, holdout, exact=art.exact, tolerance=spec.verification.tolerance, source_accuracy=source_accuracy,
+            accuracy_budget=spec.verification.accuracy_budget, sample_rows=spec.verification.sample_rows,
+        )
+        rep.variant = variant or None
+        rep.accuracy, rep.argmax_agreement = v.accuracy, v.argmax_agreement
+        rep.accuracy_drop = None if v.accuracy is None else round(source_accuracy - v.accuracy, 6)
+        rep.parameters = vision_passes.parameters(model.model) if model.family == "torch-vision" else None
+        cand = replace(cand, outputs=v.outputs)
+    else:
+        v = verify.verify(execute, reference, holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows)
+    rep.verified, rep.max_abs_diff = v.verified, v.max_abs_diff
+    rep.label_agreement, rep.rank_agreement = v.label_agreement, v.rank_agreement
+    rep.rows_batch1, rep.rows_large = v.rows_batch1, v.rows_large
+    if v.verified:
+        rep.status = "verified"
+        verified[label] = cand
+    else:
+        rep.reason = f"verification failed: {v.reason}"
+        worker.unload(key)
+    return rep
 
 
 def _time_candidates(
@@ -255,7 +333,7 @@ def _dispatch(
     if len(plan.bands) == 1:
         return rep, None, threads
     art, digests = dispatch.package_dispatch(workdir / "version", plan, {f: c.artifact for f, c in candidates.items()})
-    cand = _Candidate(art, workdir / "version", digests)
+    cand = _Candidate(art, workdir / "version", digests, "dispatch")
     key = _key("dispatch", threads)
     try:
         _load(worker, spec, model, cand, threads)
@@ -281,6 +359,12 @@ def _dispatch(
     rep.weighted_latency_us = round(measure.weighted_latency(measured, weights), 2)
     rep.status = "selected"
     return rep, cand, threads
+
+
+def _lookup(X: np.ndarray, outputs: np.ndarray):  # -> Callable[[np.ndarray], np.ndarray]
+    """A `predict` that returns a candidate's recorded outputs for rows of X (matched by content)."""
+    index = {row.tobytes(): i for i, row in enumerate(X)}
+    return lambda rows: outputs[[index[r.tobytes()] for r in rows]]
 
 
 def _worker() -> tuple[RuntimeWorker, str]:
@@ -330,7 +414,7 @@ def compile_model(
     source = load_source(spec, spec_path.name)
     holdout = load_holdout(spec.holdout, spec, spec_path.name)
     threads_for_training = max(1, min(os.cpu_count() or 1, 4))
-    model, pass_reports = _apply_passes(spec, source, holdout, threads_for_training)
+    model, pass_reports, variants = _apply_passes(spec, source, holdout, threads_for_training)
 
     staging_root = repository.parent / f".{repository.name}.staging"
     staging_root.mkdir(parents=True, exist_ok=True)
@@ -338,7 +422,7 @@ def compile_model(
     worker, where = _worker()
     try:
         with worker:
-            reports, candidates = _candidates(spec, model, holdout, staging / "candidates", worker)
+            reports, candidates = _candidates(spec, model, holdout, staging / "candidates", worker, variants)
             if not candidates:
                 why = "; ".join(f"{r.format}: {r.reason}" for r in reports)
                 raise VerificationError(f"model {spec.name}: no candidate reproduces the model ({why})")
@@ -346,7 +430,9 @@ def compile_model(
             weights = profile.weights(sizes) if profile is not None else spec.serving.weights()
             curves = _time_candidates(spec, model, holdout, reports, candidates, worker, sizes, weights)
             dispatch_report, dispatched, dispatch_threads = None, None, 0
-            if spec.serving.dispatch and len(candidates) > 1:
+            # Image models: candidates are lossy variants checked against a budget, not a tolerance, so
+            # bands mixing them could not be verified at the band edges; one format serves every size.
+            if spec.serving.dispatch and len(candidates) > 1 and not spec.is_vision:
                 dispatch_report, dispatched, dispatch_threads = _dispatch(spec, model, holdout, curves, candidates, weights, staging / "dispatch", worker)
             verified_in = dict(worker.info, kind=where)
         best = min((r for r in reports if r.format in candidates), key=lambda r: r.weighted_latency_us or float("inf"))
@@ -406,6 +492,8 @@ def compile_model(
                 n_features=spec.n_features,
                 n_trees=source.n_trees,
                 final_model=model.description + (f" ({', '.join(model.history)})" if model.history else ""),
+                accuracy=verify.accuracy(model.predict(holdout.X), holdout.y) if spec.is_vision and holdout.y is not None else None,
+                input_shape=list(spec.inputs.image.shape) if spec.inputs.image is not None else None,
             ),
             holdout_rows=len(holdout),
             tolerance=spec.verification.tolerance,
@@ -438,7 +526,12 @@ def compile_model(
         )
         if serve_check:
             edge_sizes = sorted({n for b in art.bands for n in (b.min_rows, b.max_rows)})
-            report.serve_check = check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance, request_sizes=edge_sizes)
+            if spec.is_vision and chosen.outputs is not None:
+                # What Triton serves must be what was verified: the selected candidate's own outputs
+                # in the server environment (an INT8 model is compared with itself, not with fp32).
+                report.serve_check = check_served(folder.parent, spec.name, _lookup(holdout.X, chosen.outputs), holdout, spec.task, spec.verification.tolerance, rows=len(holdout))
+            else:
+                report.serve_check = check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance, request_sizes=edge_sizes)
             if report.serve_check.status != "passed":
                 previous = f"version {existing[-1]} stays in place" if existing else "nothing was written"
                 raise VerificationError(

@@ -27,6 +27,8 @@ class ConvertContext:
     target: str
     sample: np.ndarray  # a few held-out rows (hummingbird test input, output-width probing)
     compile_threads: int = 2
+    calibration: np.ndarray | None = None  # image models: uint8 images for INT8 calibration (spec `calibration`)
+    max_batch_size: int = 0  # the largest batch the model serves (TensorRT's optimization profile)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class DispatchBand:
 class Artifact:
     """One converted model on disk and how the model runtime runs it (serve/runtime/scorestack_runtime.py)."""
 
-    format: str  # onnx | native | tl2cgen | hummingbird | tensorrt | dispatch (several, by batch size)
+    format: str  # onnx | onnx-int8 | native | tl2cgen | hummingbird | tensorrt | dispatch (several, by batch size)
     runtime: str  # a key of the runtime's RUNNERS table (onnxruntime | xgboost | sklearn | tl2cgen | tensorrt), or "dispatch"
     backend: str  # Triton backend: onnxruntime | python | tensorrt
     artifact_name: str  # file name inside the version folder
@@ -65,7 +67,7 @@ class Artifact:
 Converter = Callable[["object", Path, ConvertContext], Artifact]
 
 _REGISTRY: dict[str, dict[str, Converter]] = {}
-_MODULES = ("convert_xgboost", "convert_sklearn", "convert_tensorrt")
+_MODULES = ("convert_xgboost", "convert_sklearn", "convert_tensorrt", "convert_torch")
 _loaded = False
 
 

@@ -32,6 +32,13 @@ class CandidateReport(_Model):
     latency_us_by_threads: dict[str, dict[str, float]] = Field(default_factory=dict)
     weighted_latency_us: float | None = None
     notes: list[str] = Field(default_factory=list)
+    # Image models: the model variant converted ("" the source, "pruned", "distilled"), its accuracy on the
+    # labelled held-out images, the drop from the source's, and top-class agreement with the fp32 model it came from.
+    variant: str | None = None
+    accuracy: float | None = None
+    accuracy_drop: float | None = None
+    argmax_agreement: float | None = None
+    parameters: int | None = None
 
 
 class PassReport(_Model):
@@ -106,6 +113,7 @@ class ServeCheckReport(_Model):
     rows: int = 0
     max_abs_diff: float | None = None
     reason: str | None = None
+    label_agreement: float | None = None  # image models: top class served == top class verified, share of images
 
 
 class SourceReport(_Model):
@@ -117,6 +125,8 @@ class SourceReport(_Model):
     n_features: int
     n_trees: int | None = None
     final_model: str  # the model the candidates were converted from (after passes)
+    accuracy: float | None = None  # image models: the source's accuracy on the labelled held-out images
+    input_shape: list[int] | None = None  # image models: one image on the wire (uint8, in the spec's layout)
 
 
 class CompileReport(_Model):
@@ -211,6 +221,24 @@ def render_markdown(r: CompileReport) -> str:
         lat = " | ".join(f"{c.latency_us[b]:.1f}" if b in c.latency_us else "–" for b in bs)
         w = "–" if c.weighted_latency_us is None else f"{c.weighted_latency_us:.1f}"
         lines.append(f"| {c.format} | {c.status} | {diff} | {c.threads or '–'} | {lat} | {w} | {c.reason or ''} |")
+    if any(c.accuracy is not None for c in r.candidates):
+        lines += [
+            "",
+            f"Image classification: accuracy on {r.holdout_rows} labelled held-out images (source {100 * (r.source.accuracy or 0):.2f}%); "
+            "top-class agreement with the fp32 model each candidate was converted from.",
+            "",
+            "| candidate | status | accuracy % | drop (points) | top-class agreement % | parameters | batch 1 µs | batch 32 µs |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for c in r.candidates:
+            if c.accuracy is None:
+                continue
+            pct = lambda v: "–" if v is None else f"{100 * v:.2f}"  # noqa: E731
+            lines.append(
+                f"| {c.format} | {c.status} | {pct(c.accuracy)} | {pct(c.accuracy_drop)} | {pct(c.argmax_agreement)} | {c.parameters or '–'} | "
+                f"{c.latency_us.get('1', float('nan')):.1f} | {c.latency_us.get('32', float('nan')):.1f} |"
+            )
+        lines.append("")
     if r.dispatch is not None:
         d = r.dispatch
         lines += ["", "## Dispatch by batch size", "", f"{d.decision}.", ""]

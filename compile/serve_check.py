@@ -12,13 +12,14 @@ from typing import Callable
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from scorestack.errors import ScorestackError
 
 from .loaders import Holdout
 from .report import ServeCheckReport
-from .verify import sample_indices
+from .verify import label_agreement, sample_indices
 
 REJECTION_RETRIES = 5
 BATCH1_ROWS = 16  # rows sent one per request; the rest go in requests of max_batch_size rows
@@ -65,7 +66,10 @@ def check_served(
     diff = float(np.abs(got - want).max())
     if not np.isfinite(got).all() or diff > tolerance:
         return ServeCheckReport(status="failed", rows=len(sent), max_abs_diff=diff, reason=f"served outputs differ from the source model: max |Δ| {diff:.3g} > tolerance {tolerance:g}")
-    return ServeCheckReport(status="passed", rows=len(sent), max_abs_diff=diff)
+    labels = label_agreement(task, want, got, tolerance) if task == "image-classification" else None
+    if labels is not None and labels < 1.0:
+        return ServeCheckReport(status="failed", rows=len(sent), max_abs_diff=diff, label_agreement=labels, reason=f"served top classes differ from the verified ones on {1 - labels:.2%} of the images")
+    return ServeCheckReport(status="passed", rows=len(sent), max_abs_diff=diff, label_agreement=labels)
 
 
 def _chunks(X: np.ndarray, max_batch: int) -> list[np.ndarray]:
@@ -75,8 +79,10 @@ def _chunks(X: np.ndarray, max_batch: int) -> list[np.ndarray]:
 
 
 def _infer(client: grpcclient.InferenceServerClient, name: str, cfg, x: np.ndarray) -> np.ndarray:  # noqa: ANN001 - a ModelConfig
-    tensor = grpcclient.InferInput(cfg.input[0].name, list(x.shape), "FP32")
-    tensor.set_data_from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    # The config's data type (FP32 features, UINT8 images): the wire format clients use.
+    datatype = mc.DataType.Name(cfg.input[0].data_type).removeprefix("TYPE_")
+    tensor = grpcclient.InferInput(cfg.input[0].name, list(x.shape), datatype)
+    tensor.set_data_from_numpy(np.ascontiguousarray(x, dtype=triton_to_np_dtype(datatype)))
     for attempt in range(REJECTION_RETRIES + 1):
         try:
             return client.infer(name, [tensor], client_timeout=60).as_numpy(cfg.output[0].name)

@@ -12,9 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, V
 from scorestack import schema
 from scorestack.errors import SpecError
 
-Task = Literal["binary", "multiclass", "regression", "ranking"]
-SourceFormat = Literal["xgboost-json", "xgboost-ubj", "joblib", "pickle"]
-Format = Literal["onnx", "native", "tl2cgen", "hummingbird", "tensorrt"]
+Task = Literal["binary", "multiclass", "regression", "ranking", "image-classification"]
+# torch-module: a state dict (`path`) for the nn.Module class named by `source.module`; torchscript:
+# a torch.jit.save file; onnx: an ONNX graph. The three vision sources take float32 [N, C, H, W]
+# already normalized: the compiler folds the declared preprocessing in front of them.
+SourceFormat = Literal["xgboost-json", "xgboost-ubj", "joblib", "pickle", "torch-module", "torchscript", "onnx"]
+Format = Literal["onnx", "onnx-int8", "native", "tl2cgen", "hummingbird", "tensorrt", "tensorrt-int8"]
+VISION_SOURCES = ("torch-module", "torchscript", "onnx")
 
 
 class _Strict(BaseModel):
@@ -26,18 +30,56 @@ class SourceSpec(_Strict):
 
     path: Path
     format: SourceFormat
-    trusted: bool = False  # joblib/pickle run code on load: only load files the user vouches for
+    trusted: bool = False  # joblib/pickle/torch-module/torchscript run code on load: only load files the user vouches for
+    # torch-module: the importable class "package.module:ClassName" and its constructor arguments.
+    module: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    module_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class ImageSpec(_Strict):
+    """The uint8 image a client sends, and the preprocessing the compiler folds into the graph.
+
+    The served graph takes uint8 [batch, *shape] in `layout` and computes
+    ((pixel * scale) - mean[c]) / std[c] in float32, in [N, C, H, W], before the source model."""
+
+    layout: Literal["HWC", "CHW"] = "HWC"
+    height: PositiveInt
+    width: PositiveInt
+    channels: PositiveInt = 3
+    scale: PositiveFloat = 1.0 / 255.0
+    mean: list[float] = Field(default_factory=lambda: [0.0])
+    std: list[PositiveFloat] = Field(default_factory=lambda: [1.0])
+    # What the source model returns: logits (a softmax is folded in) or probabilities (kept as they are).
+    source_output: Literal["logits", "probabilities"] = "logits"
+
+    @field_validator("mean", "std")
+    @classmethod
+    def _per_channel(cls, v: list[float], info: ValidationInfo) -> list[float]:
+        c = info.data.get("channels")
+        if c is not None and len(v) not in (1, c):
+            raise ValueError(f"has {len(v)} values; give one per channel ({c}) or one for all")
+        return v
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The wire shape of one image, in the declared layout."""
+        if self.layout == "HWC":
+            return (self.height, self.width, self.channels)
+        return (self.channels, self.height, self.width)
 
 
 class InputSpec(_Strict):
-    """The input tensor: one float32 column per feature, in this order."""
+    """The input tensor: one float32 column per feature, in this order; or (image-classification) a uint8 image."""
 
-    features: list[str] = Field(min_length=1)
-    dtype: Literal["float32"] = "float32"
+    features: list[str] | None = Field(None, min_length=1)
+    dtype: Literal["float32", "uint8"] = "float32"
+    image: ImageSpec | None = None
 
     @field_validator("features")
     @classmethod
-    def _unique(cls, v: list[str]) -> list[str]:
+    def _unique(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
         dup = sorted({f for f in v if v.count(f) > 1})
         if dup:
             raise ValueError(f"feature names must be unique; repeated: {', '.join(dup)}")
@@ -110,14 +152,39 @@ class DistillationSpec(_Strict):
     train_rows: Path | None = None  # .npz with X (and y); default: half of the held-out rows
 
 
+class ChannelPruningSpec(_Strict):
+    """Image models: remove the lowest-L1 convolution channels (layers rebuilt smaller), then fine-tune briefly."""
+
+    enabled: bool = True
+    keep_ratio: float = Field(default=0.5, gt=0, lt=1)  # share of each prunable layer's channels kept
+    epochs: PositiveInt = 5
+    learning_rate: PositiveFloat = 2e-3
+
+
+class StudentSpec(_Strict):
+    """Image models: train a smaller CNN (the project's SmallCNN) on the teacher's softened outputs plus the labels."""
+
+    enabled: bool = True
+    widths: list[PositiveInt] = Field(default_factory=lambda: [8, 16, 32], min_length=1)
+    epochs: PositiveInt = 15
+    learning_rate: PositiveFloat = 3e-3
+    temperature: PositiveFloat = 4.0
+    soft_weight: float = Field(default=0.7, ge=0, le=1)  # share of the teacher's softened outputs in the loss
+
+
 class OptimizationSpec(_Strict):
     pruning: PruningSpec | None = None
     distillation: DistillationSpec | None = None
+    channel_pruning: ChannelPruningSpec | None = None  # image-classification
+    student: StudentSpec | None = None  # image-classification
 
 
 class VerificationSpec(_Strict):
     tolerance: PositiveFloat = 1e-5
     sample_rows: PositiveInt = 256  # rows checked one at a time (batch 1)
+    # image-classification: the largest accuracy drop (a fraction: 0.005 = 0.5 percentage points) on the
+    # held-out images a lossy candidate (INT8, pruned, distilled) may have against the source model.
+    accuracy_budget: float = Field(default=0.005, ge=0, le=1)
 
 
 class ModelSpec(_Strict):
@@ -135,6 +202,10 @@ class ModelSpec(_Strict):
     threads: list[PositiveInt] = Field(default_factory=lambda: [1], min_length=1)
     holdout: Path
     formats: list[Format] | None = None  # restrict the candidates (default: every registered format)
+    # image-classification: .npz of uint8 images X (INT8 calibration; default: the first held-out images)
+    # and of labelled training images X, y (fine-tuning after pruning, distillation).
+    calibration: Path | None = None
+    train_images: Path | None = None
 
     @field_validator("threads", mode="before")
     @classmethod
@@ -147,6 +218,29 @@ class ModelSpec(_Strict):
         task = info.data.get("task")
         if v is not None and task is not None and v != [schema.OUTPUT_TENSORS[task]]:
             raise ValueError(f"a {task} model exposes exactly one output named {schema.OUTPUT_TENSORS[task]!r}")
+        return v
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs_match_task(cls, v: InputSpec, info: ValidationInfo) -> InputSpec:
+        task = info.data.get("task")
+        if task == "image-classification":
+            if v.image is None:
+                raise ValueError("an image-classification model needs `image:` (height, width, channels, layout, mean, std)")
+            if v.features is not None:
+                raise ValueError("an image-classification model takes `image:`, not `features:`")
+        elif task is not None:
+            if v.features is None:
+                raise ValueError(f"a {task} model needs `features:` (the input feature names in column order)")
+            if v.image is not None:
+                raise ValueError(f"`image:` applies to image-classification models only (task is {task})")
+        return v
+
+    @field_validator("source")
+    @classmethod
+    def _module_for_torch(cls, v: SourceSpec) -> SourceSpec:
+        if v.format == "torch-module" and v.module is None:
+            raise ValueError("a torch-module source needs `module: package.module:ClassName` (the class the state dict belongs to)")
         return v
 
     @field_validator("serving")
@@ -163,20 +257,33 @@ class ModelSpec(_Strict):
 
     @property
     def n_features(self) -> int:
-        return len(self.inputs.features)
+        """Input values per row: features, or pixels of one image."""
+        if self.inputs.image is not None:
+            h, w, c = self.inputs.image.height, self.inputs.image.width, self.inputs.image.channels
+            return h * w * c
+        return len(self.inputs.features or [])
+
+    @property
+    def is_vision(self) -> bool:
+        return self.task == "image-classification"
 
 
 # Field-specific advice appended to validation messages: the fix, not just the fault.
 _FIXES = {
     "verification.tolerance": "set a positive number such as 1e-5",
     "verification.sample_rows": "set a positive row count such as 256",
-    "source.format": "use one of xgboost-json, xgboost-ubj, joblib, pickle",
+    "source.format": "use one of xgboost-json, xgboost-ubj, joblib, pickle, torch-module, torchscript, onnx",
+    "source.module": "name the model class as package.module:ClassName (importable in this environment)",
+    "inputs.image": "describe the image: height, width, channels, layout (HWC or CHW), mean and std per channel",
+    "calibration": "give a .npz file with uint8 images X, or omit it to calibrate on held-out images",
+    "train_images": "give a .npz file with uint8 images X and labels y",
+    "verification.accuracy_budget": "give the largest accuracy drop allowed as a fraction, such as 0.005 (0.5 points)",
     "source.path": "give the model file's path, relative to the spec file",
     "source.trusted": "write `trusted: true` only for files you produced yourself",
-    "task": "use one of binary, multiclass, regression, ranking",
+    "task": "use one of binary, multiclass, regression, ranking, image-classification",
     "name": "use letters, digits, '_', '-' or '.', starting with a letter or digit",
     "inputs.features": "list the model's input feature names in column order",
-    "inputs.dtype": "inputs are float32; write `dtype: float32`",
+    "inputs.dtype": "features are float32 and images uint8; write `dtype: float32` or `dtype: uint8`",
     "outputs": "omit `outputs` to use the task's standard tensor name",
     "serving.latency_budget_ms": "set the per-request budget in milliseconds, such as 5",
     "serving.batch_sizes": "list the batch sizes you expect, such as [1, 64]",
@@ -187,7 +294,7 @@ _FIXES = {
     "serving.dispatch": "write true (serve the fastest format per batch size) or false (one format for all)",
     "threads": "give a thread count such as 1, or a list such as [1, 2]",
     "holdout": "give a .npz file with arrays X and y (and group for ranking)",
-    "formats": "use some of onnx, native, tl2cgen, hummingbird, tensorrt",
+    "formats": "use some of onnx, onnx-int8, native, tl2cgen, hummingbird, tensorrt, tensorrt-int8",
     "target": "use cpu or gpu",
 }
 
@@ -251,6 +358,9 @@ def parse_spec(data: Any, source: str, base_dir: Path) -> ModelSpec:
         "source": spec.source.model_copy(update={"path": _resolve(base_dir, spec.source.path)}),
         "holdout": _resolve(base_dir, spec.holdout),
     }
+    for key in ("calibration", "train_images"):
+        if getattr(spec, key) is not None:
+            updates[key] = _resolve(base_dir, getattr(spec, key))
     dist = spec.optimization.distillation
     if dist is not None and dist.train_rows is not None:
         updates["optimization"] = spec.optimization.model_copy(

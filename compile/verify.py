@@ -28,6 +28,9 @@ class Verification:
     rows_batch1: int
     rows_large: int
     reason: str | None = None
+    accuracy: float | None = None  # image models: share of held-out images classified as labelled
+    argmax_agreement: float | None = None  # image models: share of images whose top class equals the reference's
+    outputs: np.ndarray | None = None  # image models: the candidate's outputs on every held-out row (the serving check's reference)
 
 
 def sample_indices(n: int, k: int) -> np.ndarray:
@@ -42,7 +45,7 @@ def label_agreement(task: str, ref: np.ndarray, out: np.ndarray, tol: float) -> 
         if not clear.any():
             return 1.0
         return float(np.mean((ref[clear, 0] >= 0.5) == (out[clear, 0] >= 0.5)))
-    if task == "multiclass":
+    if task in ("multiclass", "image-classification"):
         top2 = np.sort(ref, axis=1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > tol
         if not clear.any():
@@ -79,22 +82,27 @@ def mixed_sizes(n: int) -> list[int]:
     return sizes
 
 
+def _run(execute: Execute, X: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The candidate's outputs on rows `idx` one per call, and on every row as one joined batch of mixed-size requests."""
+    ones = []
+    for i in idx:
+        out, errors = execute(X[i : i + 1], [1])
+        if errors:
+            raise RuntimeError(f"row {int(i)} at batch 1: {errors[0]}")
+        ones.append(out.reshape(1, -1))
+    big, errors = execute(X, mixed_sizes(len(X)))
+    if errors:
+        k, msg = next(iter(errors.items()))
+        raise RuntimeError(f"{len(errors)} of the joined requests failed, e.g. request {k}: {msg}")
+    return np.concatenate(ones), big
+
+
 def verify(execute: Execute, reference: np.ndarray, holdout: Holdout, task: str, tolerance: float, sample_rows: int) -> Verification:
     """Run the candidate one row per call on a sample, and on every row as one joined batch of mixed-size requests; compare with `reference`."""
     X = holdout.X
     idx = sample_indices(len(X), sample_rows)
     try:
-        ones = []
-        for i in idx:
-            out, errors = execute(X[i : i + 1], [1])
-            if errors:
-                raise RuntimeError(f"row {int(i)} at batch 1: {errors[0]}")
-            ones.append(out.reshape(1, -1))
-        one = np.concatenate(ones)
-        big, errors = execute(X, mixed_sizes(len(X)))
-        if errors:
-            k, msg = next(iter(errors.items()))
-            raise RuntimeError(f"{len(errors)} of the joined requests failed, e.g. request {k}: {msg}")
+        one, big = _run(execute, X, idx)
     except Exception as exc:  # noqa: BLE001 - a failure at run time is a verification failure, with its reason
         return Verification(False, None, None, None, 0, 0, f"failed to run: {exc}")
     ref = reference.reshape(len(X), -1)
@@ -121,6 +129,57 @@ def verify(execute: Execute, reference: np.ndarray, holdout: Holdout, task: str,
     if ranks is not None and ranks < 1.0:
         reasons.append(f"ranking-order agreement {ranks:.2%} < 100%")
     return Verification(not reasons, diff, labels, ranks, len(idx), len(X), "; ".join(reasons) or None)
+
+
+def accuracy(probabilities: np.ndarray, labels: np.ndarray) -> float:
+    return float(np.mean(probabilities.argmax(1) == labels))
+
+
+def verify_images(
+    execute: Execute,
+    reference: np.ndarray,
+    holdout: Holdout,
+    *,
+    exact: bool,
+    tolerance: float,
+    source_accuracy: float,
+    accuracy_budget: float,
+    sample_rows: int,
+) -> Verification:
+    """An image classifier candidate on every held-out image (joined batch) and a sample at batch 1.
+
+    `reference`: probabilities of the model the candidate was converted from (fp32). An exact
+    candidate (fp32 ONNX) must reproduce them within `tolerance` with the same top class wherever the
+    reference has one; every candidate (INT8 too) must stay within `accuracy_budget` of the source's
+    accuracy on the labelled images, and reproduce its own joined-batch top classes at batch 1."""
+    X = holdout.X
+    idx = sample_indices(len(X), sample_rows)
+    try:
+        one, big = _run(execute, X, idx)
+    except Exception as exc:  # noqa: BLE001 - a failure at run time is a verification failure, with its reason
+        return Verification(False, None, None, None, 0, 0, f"failed to run: {exc}")
+    ref = reference.reshape(len(X), -1)
+    if big.shape != ref.shape or one.shape != ref[idx].shape:
+        return Verification(False, None, None, None, len(idx), len(X), f"output shape {big.shape}, expected {ref.shape}")
+    if not (np.isfinite(big).all() and np.isfinite(one).all()):
+        return Verification(False, None, None, None, len(idx), len(X), "output holds NaN or inf")
+    diff = float(max(np.abs(one - ref[idx]).max(), np.abs(big - ref).max()))
+    labels = label_agreement("image-classification", ref, big, tolerance)
+    agree = float(np.mean(big.argmax(1) == ref.argmax(1)))
+    acc = accuracy(big, holdout.y) if holdout.y is not None else None
+    reasons = []
+    if exact and diff > tolerance:
+        reasons.append(f"max |Δ| {diff:.3g} > tolerance {tolerance:g}")
+    if exact and labels is not None and labels < 1.0:
+        reasons.append(f"top-class agreement {labels:.2%} < 100%")
+    if acc is not None and source_accuracy - acc > accuracy_budget + 1e-12:
+        reasons.append(f"accuracy {acc:.2%} is {100 * (source_accuracy - acc):.2f} points below the source's {source_accuracy:.2%} (budget {100 * accuracy_budget:.2f})")
+    # One image alone and the same image inside a joined batch must get the same top class (quantized
+    # kernels could differ by batch size; ties closer than the tolerance are not counted).
+    self_labels = label_agreement("image-classification", big[idx], one, tolerance)
+    if self_labels is not None and self_labels < 1.0:
+        reasons.append(f"batch 1 and the joined batch disagree on the top class of {1 - self_labels:.2%} of the sampled images")
+    return Verification(not reasons, diff, labels, None, len(idx), len(X), "; ".join(reasons) or None, acc, agree, big)
 
 
 @dataclass(frozen=True)

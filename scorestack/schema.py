@@ -8,12 +8,21 @@ from __future__ import annotations
 
 # --- Triton tensor contract written by the compiler and used by the clients -----------------
 INPUT_TENSOR = "features"  # FP32 [batch, n_features], columns in the spec's feature order
+# Image models: raw UINT8 pixels [batch, H, W, C] (or [batch, C, H, W], as the spec declares);
+# scaling, normalization and layout are folded into the served graph.
+IMAGE_INPUT_TENSOR = "images"
 OUTPUT_TENSORS = {
     "binary": "probability",  # FP32 [batch, 1]: probability of the positive class
     "multiclass": "probabilities",  # FP32 [batch, n_classes]
     "regression": "prediction",  # FP32 [batch, 1]
     "ranking": "score",  # FP32 [batch, 1]: higher ranks first
+    "image-classification": "probabilities",  # FP32 [batch, n_classes]: softmax over the classes
 }
+
+
+def input_tensor(task: str) -> str:
+    """The input tensor's name for a task."""
+    return IMAGE_INPUT_TENSOR if task == "image-classification" else INPUT_TENSOR
 
 # --- Fraud -----------------------------------------------------------------------------------
 # Slow-moving per-user profile (Feast view `user_fraud_profile`, cacheable).

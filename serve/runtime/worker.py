@@ -107,7 +107,8 @@ class Worker:
         """Median µs per execute() call per model and batch size, interleaved rounds in shuffled order."""
         (X,) = blobs
         keys, sizes = list(msg["keys"]), [int(b) for b in msg["batch_sizes"]]
-        inputs = {b: np.ascontiguousarray(np.resize(X, (b, X.shape[1])), dtype=X.dtype) for b in sizes}
+        # Rows may be N-D (images): repeat whole rows up to b, whatever their shape.
+        inputs = {b: np.ascontiguousarray(np.resize(X, (b,) + X.shape[1:]), dtype=X.dtype) for b in sizes}
         samples = {k: {b: [] for b in sizes} for k in keys}
         for k in keys:  # warm-up: first calls allocate arenas and load code pages
             for b in sizes:
