@@ -1,6 +1,11 @@
-"""Where does the time go? Client phases + Triton's per-model statistics -> a breakdown and advice.
+"""Where does the time go? Triton's per-model statistics (+ the client's phases) -> a breakdown and a decision.
 
-Phases of one request, as a user would optimize them:
+Any deployment: `watch` reads Triton's statistics over a window of live traffic and sends nothing;
+`replay` sends rows at a concurrency or rate; with the client's exported histograms
+(client/metrics.py) the request path is diagnosed end to end. `run_diagnosis` sends the demo's
+traffic through the demo's fraud and ranking services (what `scorestack demo` runs).
+
+Phases of one demo request, as a user would optimize them:
 - features: waiting for the feature store on the critical path (the fetch overlaps validation)
 - client: validating the request and assembling the feature matrix in the model's order
 - queue: time in Triton's scheduler queue (dynamic batcher, busy instances)
@@ -11,13 +16,15 @@ Phases of one request, as a user would optimize them:
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
-from pathlib import Path
-
+from scorestack.client.advice import OTHER_ADVICE, Decision, FeatureSide, ServedConfig, decide_compute, decide_features, decide_queue
+from scorestack.client.metrics import METRIC as REQUEST_METRIC
+from scorestack.client.server_stats import SERVER_PHASES, ModelStats, failures_by_reason, fetch_text, read_statistics
 from scorestack.client.triton import TritonClient
 from scorestack.errors import InferenceError
 from scorestack.serve.security import AdminKey, ClientTls, load_admin_key
@@ -272,3 +279,503 @@ async def run_diagnosis(
             b1 = await measure(triton, "fraud", fraud_model, send_fraud, n_fraud)
             b2 = await measure(triton, "ranking", ranking_model, send_ranking, n_ranking)
     return [b1, b2]
+
+
+# --- any deployment: passive watching, replay, and the client's exported metrics ----------------
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ClientSide:
+    """What the client measured for a model over the window (replay, or a service's exported histograms)."""
+
+    service: str
+    requests: int
+    mean_ms: dict[str, float]  # per phase the client timed, and `total`
+    p50_ms: float | None = None  # replay only: per-request totals are known
+    p99_ms: float | None = None
+    triton_calls_per_request: float = 1.0
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Where one model's time went over a window, and what to do about it.
+
+    `phases_ms` are mean milliseconds per request of named phases; they and `unattributed_ms` add
+    up to `measured_ms`: Triton's mean request time when only the server was watched, the client's
+    mean latency when the client side is known (replay, --client-metrics).
+    """
+
+    model: str
+    mode: str  # passive | replay | client-metrics
+    window_s: float
+    requests: int  # Triton successes in the window
+    failed: int
+    failures: dict[str, int]  # by Triton's reason (REJECTED: queue policy), when /metrics was read
+    rejected: int | None  # queue-policy rejections; None when /metrics was not read
+    cache_hits: int
+    cache_hit_rate: float
+    executions: int
+    rows: int
+    batch_sizes: dict[int, int]  # executed batch size -> executions
+    server_total_ms: dict[str, float]  # window totals: Triton's `success` and each server phase
+    server_mean_ms: float  # Triton's mean time per successful request
+    phases_ms: dict[str, float]
+    measured_ms: float
+    unattributed_ms: float
+    attributed_share: float
+    dominant: str
+    decision: Decision
+    client: ClientSide | None = None
+    notes: tuple[str, ...] = ()
+
+
+def _server_phases(stats: ModelStats) -> tuple[dict[str, float], dict[str, float], float]:
+    """(mean ms per request of each server phase present, window totals in ms, mean request ms)."""
+    n = max(stats.success.count, 1)
+    totals = {"success": stats.success.ns / 1e6}
+    means: dict[str, float] = {}
+    for phase in SERVER_PHASES:
+        ns = stats.phase_ns(phase)
+        totals[phase] = ns / 1e6
+        if phase != "cache" or ns > 0:
+            means[phase] = ns / n / 1e6
+    return means, totals, stats.success.ns / n / 1e6
+
+
+def _decision(
+    dominant: str,
+    share: float,
+    stats: ModelStats,
+    ctx: "_Context",
+    window_s: float,
+    phases: Mapping[str, float],
+) -> Decision:
+    if dominant == "compute_infer":
+        return decide_compute(share, stats, ctx.report, ctx.report_path, ctx.repository, ctx.stats_file)
+    if dominant == "queue":
+        return decide_queue(share, stats, ctx.config, window_s, phases["queue"])
+    if dominant == "features":
+        return decide_features(share, phases["features"], ctx.features)
+    technique = OTHER_ADVICE.get(dominant, "look closer at this phase")
+    return Decision(dominant, share, technique, f"{dominant} is {phases[dominant]:.3f} ms of {sum(phases.values()):.3f} ms named per request")
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What the decision may read about one model besides its statistics."""
+
+    config: ServedConfig | None
+    report: Any  # CompileReport | None
+    report_path: Path
+    repository: Path
+    stats_file: Path | None
+    features: FeatureSide | None = None
+    notes: tuple[str, ...] = ()
+
+
+def diagnose_model(
+    mode: str,
+    stats: ModelStats,
+    window_s: float,
+    ctx: _Context,
+    *,
+    client: ClientSide | None = None,
+    client_phases: Mapping[str, float] | None = None,
+    failures: Mapping[str, int] | None = None,
+) -> Diagnosis:
+    """One model's diagnosis from Triton's window statistics and, when known, the client's phases.
+
+    With a client side, Triton's phases are scaled to one client request (a request that made
+    several concurrent calls waited about one call's server time), `network` is the client's
+    Triton call minus Triton's request time, and the client's other named phases join them.
+    """
+    server_means, totals, server_mean = _server_phases(stats)
+    notes = list(ctx.notes)
+    if client is None:
+        phases = dict(server_means)
+        measured = server_mean
+    else:
+        scale = min(client.triton_calls_per_request, 1.0)
+        infer = client.mean_ms.get("infer", 0.0)
+        phases = {k: v for k, v in (client_phases or {}).items()}
+        phases.update({k: v * scale for k, v in server_means.items()})
+        phases["network"] = max(infer - server_mean * scale, 0.0)
+        if infer < server_mean * scale:
+            notes.append(f"the client's Triton call ({infer:.3f} ms) is shorter than Triton's mean request ({server_mean * scale:.3f} ms): other traffic shares the model")
+        measured = client.mean_ms.get("total", 0.0)
+    named = sum(phases.values())
+    unattributed = measured - named
+    dominant = max(phases, key=phases.__getitem__)
+    share = phases[dominant] / measured if measured > 0 else 0.0
+    decision = _decision(dominant, share, stats, ctx, window_s, phases)
+    rejected = None if failures is None else int(failures.get("REJECTED", 0))
+    return Diagnosis(
+        model=stats.model,
+        mode=mode,
+        window_s=window_s,
+        requests=stats.success.count,
+        failed=stats.fail.count,
+        failures=dict(failures or {}),
+        rejected=rejected,
+        cache_hits=stats.cache_hit.count,
+        cache_hit_rate=stats.cache_hit.count / max(stats.success.count, 1),
+        executions=stats.execution_count,
+        rows=stats.inference_count,
+        batch_sizes=dict(stats.batches),
+        server_total_ms=totals,
+        server_mean_ms=server_mean,
+        phases_ms=phases,
+        measured_ms=measured,
+        unattributed_ms=unattributed,
+        attributed_share=(named / measured) if measured > 0 else 0.0,
+        dominant=dominant,
+        decision=decision,
+        client=client,
+        notes=tuple(notes),
+    )
+
+
+def _load_report(repository: Path, model: str) -> tuple[Any, Path, str | None]:
+    """The model's compile report (<repository>/<model>/report.json), or None with the reason."""
+    path = repository / model / "report.json"
+    if not path.is_file():
+        return None, path, None
+    from pydantic import ValidationError
+
+    from scorestack.compile.report import CompileReport
+
+    try:
+        return CompileReport.model_validate_json(path.read_text()), path, None
+    except (OSError, ValueError, ValidationError) as exc:
+        return None, path, f"compile report {path} unreadable ({str(exc).splitlines()[0]}); deciding without it"
+
+
+async def _served_config(triton: TritonClient, model: str) -> ServedConfig | None:
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return ServedConfig.from_json(await triton.grpc.get_model_config(model, as_json=True, client_timeout=5))
+    except InferenceServerException:
+        return None
+
+
+async def _ready_models(triton: TritonClient, stats: Mapping[str, ModelStats]) -> list[str]:
+    """Every model Triton reports statistics for that is ready now."""
+    from tritonclient.utils import InferenceServerException
+
+    ready = []
+    for name in stats:
+        try:
+            if await triton.grpc.is_model_ready(name, client_timeout=5):
+                ready.append(name)
+        except InferenceServerException:
+            continue
+    return ready
+
+
+def save_profile(path: Path, deltas: Sequence[ModelStats]) -> Path:
+    """The window's statistics in Triton's JSON shape: `scorestack compile --batch-profile` reads them."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"model_stats": [d.to_triton_json() for d in deltas]}, indent=1))
+    return path
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the deployment is and what the diagnosis may read besides it."""
+
+    url: str
+    models: tuple[str, ...] = ()  # () = every ready model
+    repository: Path | None = None  # compile reports: <repository>/<model>/report.json
+    metrics_url: str | None = None  # Triton's /metrics (failure reasons: queue-policy rejections)
+    stats_file: Path | None = None  # where the window's statistics are saved for --batch-profile
+    tls: ClientTls | None = None
+
+
+def _open(target: Target) -> TritonClient:
+    # The admin key comes from the environment only (serve.security.load_admin_key): never argv.
+    return TritonClient(target.url, deadline_s=5.0, tls=target.tls or ClientTls.from_env(), admin_key=load_admin_key())
+
+
+async def _context(triton: TritonClient, target: Target, model: str, features: FeatureSide | None = None) -> _Context:
+    from scorestack.paths import default_repository
+
+    repository = (target.repository or default_repository()).resolve()
+    report, report_path, problem = _load_report(repository, model)
+    return _Context(
+        config=await _served_config(triton, model),
+        report=report,
+        report_path=report_path,
+        repository=repository,
+        stats_file=target.stats_file,
+        features=features,
+        notes=(problem,) if problem else (),
+    )
+
+
+def _failures(target: Target) -> dict[str, dict[str, int]] | None:
+    return None if target.metrics_url is None else failures_by_reason(fetch_text(target.metrics_url))
+
+
+def _failure_delta(before: dict[str, dict[str, int]] | None, after: dict[str, dict[str, int]] | None, model: str) -> dict[str, int] | None:
+    if before is None or after is None:
+        return None
+    b, a = before.get(model, {}), after.get(model, {})
+    return {r: a[r] - b.get(r, 0) for r in a if a[r] - b.get(r, 0) > 0}
+
+
+async def watch(
+    target: Target,
+    window_s: float,
+    *,
+    client_metrics: str | None = None,
+    on_start: Callable[[list[str]], None] | None = None,
+) -> list[Diagnosis]:
+    """Passive: read Triton's statistics (and the client's metrics) before and after `window_s` of
+    live traffic; sends no inference. `on_start(models)` runs once the first readings are taken."""
+    import time
+
+    if window_s <= 0:
+        raise ValueError(f"window: {window_s} s; give a positive number of seconds of live traffic to watch")
+    async with _open(target) as triton:
+        before = await read_statistics(triton, target.models or None)
+        models = list(target.models) if target.models else await _ready_models(triton, before)
+        if not models:
+            raise InferenceError(f"Triton at {target.url} has no ready model to diagnose")
+        missing = [m for m in models if m not in before]
+        if missing:
+            raise InferenceError(f"model(s) {missing} not served by Triton at {target.url}; it serves {sorted(before)}")
+        fail_before = _failures(target)
+        client_before = Scrape.read(client_metrics) if client_metrics else None
+        started = time.monotonic()
+        if on_start is not None:
+            on_start(models)
+        await asyncio.sleep(window_s)
+        client_after = Scrape.read(client_metrics) if client_metrics else None
+        after = await read_statistics(triton, models)
+        window = time.monotonic() - started
+        fail_after = _failures(target)
+        deltas = [after[m] - before[m] for m in models]
+        if target.stats_file is not None:
+            save_profile(target.stats_file, deltas)
+        out = []
+        client_delta = client_after.minus(client_before) if client_after is not None and client_before is not None else None
+        for delta in deltas:
+            failures = _failure_delta(fail_before, fail_after, delta.model)
+            if client_delta is None:
+                ctx = await _context(triton, target, delta.model)
+                out.append(diagnose_model("passive", delta, window, ctx, failures=failures))
+                continue
+            sides = client_delta.request_phases(delta.model)
+            ctx = await _context(triton, target, delta.model, client_delta.feature_side())
+            if not sides:
+                ctx = replace(ctx, notes=(*ctx.notes, f"the client metrics at {client_metrics} have no requests to {delta.model!r} in the window"))
+                out.append(diagnose_model("passive", delta, window, ctx, failures=failures))
+                continue
+            for service, means, count in sides:
+                client = ClientSide(service, count, means, triton_calls_per_request=delta.success.count / max(count, 1))
+                named = {"validate": means.get("validate", 0.0), "features": means.get("features_wait", 0.0), "assemble": means.get("assemble", 0.0)}
+                out.append(diagnose_model("client-metrics", delta, window, ctx, client=client, client_phases=named, failures=failures))
+        return out
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One reading of a Prometheus text endpoint: (sample name, labels) -> value."""
+
+    url: str
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+    @classmethod
+    def read(cls, url: str) -> "Scrape":
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = fetch_text(url)
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+        return cls(url, samples)
+
+    def minus(self, before: "Scrape") -> "Scrape":
+        return Scrape(self.url, {k: v - before.samples.get(k, 0.0) for k, v in self.samples.items()})
+
+    def _select(self, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+        out = []
+        for (n, lbl), v in self.samples.items():
+            d = dict(lbl)
+            if n == name and all(d.get(k) == v2 for k, v2 in labels.items()):
+                out.append((d, v))
+        return out
+
+    def request_phases(self, model: str) -> list[tuple[str, dict[str, float], int]]:
+        """Per service calling `model`: (service, mean ms per phase, requests), from the request-path
+        histograms (client/metrics.py) over the window."""
+        sums: dict[str, dict[str, float]] = {}
+        counts: dict[str, dict[str, float]] = {}
+        for labels, v in self._select(f"{REQUEST_METRIC}_sum", model=model):
+            sums.setdefault(labels["service"], {})[labels["phase"]] = v
+        for labels, v in self._select(f"{REQUEST_METRIC}_count", model=model):
+            counts.setdefault(labels["service"], {})[labels["phase"]] = v
+        out = []
+        for service, by_phase in sorted(counts.items()):
+            n = int(round(by_phase.get("total", 0.0)))
+            if n <= 0:
+                continue
+            means = {p: sums[service].get(p, 0.0) * 1e3 / n for p, c in by_phase.items() if c > 0}
+            out.append((service, means, n))
+        return out
+
+    def feature_side(self) -> FeatureSide | None:
+        """The fetch layer's metrics (features/metrics.py), when the service exports them on the same endpoint."""
+        reads: dict[str, tuple[int, float]] = {}
+        for labels, n in self._select("scorestack_feature_store_read_seconds_count"):
+            if n > 0:
+                total_s = sum(v for l2, v in self._select("scorestack_feature_store_read_seconds_sum", backend=labels["backend"]))
+                reads[labels["backend"]] = (int(n), total_s * 1e3 / n)
+        if not reads:
+            return None
+        hits = int(sum(v for _, v in self._select("scorestack_feature_cache_hits_total")))
+        misses = int(sum(v for _, v in self._select("scorestack_feature_cache_misses_total")))
+        co_n = sum(v for _, v in self._select("scorestack_feature_coalesced_requests_count"))
+        co_sum = sum(v for _, v in self._select("scorestack_feature_coalesced_requests_sum"))
+        return FeatureSide(reads, hits, misses, co_sum / co_n if co_n else None)
+
+
+def holdout_rows(repository: Path, model: str) -> tuple[np.ndarray, str]:
+    """The held-out rows `<repository>/<model>/report.json` points to (its spec's `holdout`), with where they came from."""
+    from scorestack.compile.spec import load_spec
+    from scorestack.errors import SpecError
+
+    report, path, problem = _load_report(repository.resolve(), model)
+    if report is None:
+        raise SpecError(problem or f"model {model!r}: no compile report at {path} to find its held-out rows; pass --rows FILE.npz (array X) or --repository")
+    spec = load_spec(report.spec)
+    return load_rows(spec.holdout), f"{spec.holdout} (held-out rows of {report.spec})"
+
+
+def load_rows(path: str | Path) -> np.ndarray:
+    """Array `X` of a .npz file, as the rows to replay."""
+    from scorestack.errors import SpecError
+
+    try:
+        with np.load(Path(path)) as data:
+            if "X" not in data:
+                raise SpecError(f"--rows {path}: no array X (it has {sorted(data.files)}); save rows with np.savez(path, X=rows)")
+            rows = np.asarray(data["X"])
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"--rows {path}: not a readable .npz file ({exc})") from exc
+    if rows.ndim < 2 or len(rows) == 0:
+        raise SpecError(f"--rows {path}: X has shape {list(rows.shape)}; expected rows x features")
+    return rows
+
+
+async def replay(
+    target: Target,
+    model: str,
+    rows: np.ndarray,
+    *,
+    requests: int = 500,
+    concurrency: int = 1,
+    rate: float | None = None,
+    rows_per_request: int = 1,
+    warmup: int = 10,
+) -> Diagnosis:
+    """Active: send `requests` requests of `rows_per_request` rows each, cycling through `rows`, at
+    `concurrency` in flight (closed loop) or at `rate` requests/s (open loop), and diagnose the window."""
+    import time
+
+    if requests <= 0 or concurrency <= 0 or rows_per_request <= 0 or (rate is not None and rate <= 0):
+        raise ValueError("requests, concurrency, rows per request and rate must be positive")
+    async with _open(target) as triton:
+        info = await triton.model_info(model)
+        if len(info.inputs) != 1:
+            raise InferenceError(f"model {model!r} takes {len(info.inputs)} inputs; replay sends one tensor of rows")
+        tensor = info.inputs[0]
+        x = rows.astype(tensor.dtype, copy=False)
+
+        def batch(i: int) -> np.ndarray:
+            idx = (np.arange(rows_per_request) + i * rows_per_request) % len(x)
+            return np.ascontiguousarray(x[idx])
+
+        for i in range(warmup):
+            await triton.infer(model, {tensor.name: batch(i)})
+        fail_before = _failures(target)
+        before = (await read_statistics(triton, [model]))[model]
+        latencies: list[float] = []
+        errors: dict[str, int] = {}
+        sem = asyncio.Semaphore(concurrency if rate is None else max(concurrency, 1024))
+        started = time.monotonic()
+
+        async def one(i: int) -> None:
+            if rate is not None:
+                await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
+            async with sem:
+                t = time.perf_counter()
+                try:
+                    await triton.infer(model, {tensor.name: batch(warmup + i)})
+                except InferenceError as exc:
+                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                    return
+                latencies.append((time.perf_counter() - t) * 1e3)
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+        await asyncio.sleep(0.05)  # statistics are updated as responses are released
+        after = (await read_statistics(triton, [model]))[model]
+        window = time.monotonic() - started
+        delta = after - before
+        if target.stats_file is not None:
+            save_profile(target.stats_file, [delta])
+        if not latencies:
+            raise InferenceError(f"model {model!r}: all {requests} replayed requests failed: {errors}")
+        lat = np.array(latencies)
+        client = ClientSide(
+            "replay", len(lat), {"infer": float(lat.mean()), "total": float(lat.mean())},
+            float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), delta.success.count / len(lat),
+        )  # fmt: skip
+        ctx = await _context(triton, target, model)
+        if errors:
+            ctx = replace(ctx, notes=(*ctx.notes, f"{sum(errors.values())} of {requests} requests failed: {errors}"))
+        return diagnose_model("replay", delta, window, ctx, client=client, client_phases={}, failures=_failure_delta(fail_before, _failures(target), model))
+
+
+def to_json(diagnoses: Sequence[Diagnosis], **extra: Any) -> dict[str, Any]:
+    """A JSON document of the diagnoses (`scorestack diagnose --json`)."""
+    from dataclasses import asdict
+
+    return {"schema_version": SCHEMA_VERSION, **extra, "models": [asdict(d) for d in diagnoses]}
+
+
+def render_diagnoses(diagnoses: Sequence[Diagnosis]) -> str:
+    """A plain-text report: per model, the phases with their share, the traffic, and the decision."""
+    lines: list[str] = []
+    for d in diagnoses:
+        who = f" via {d.client.service} ({d.client.requests} client requests)" if d.client else ""
+        lines.append(f"model {d.model} — {d.mode}, {d.window_s:.1f} s window, {d.requests} requests{who}")
+        width = max(len(p) for p in (*d.phases_ms, "unattributed"))
+        lines.append(f"  {'phase'.ljust(width)}  {'ms/request':>10}  {'share':>6}")
+        for phase, ms in sorted(d.phases_ms.items(), key=lambda kv: -kv[1]):
+            mark = "  <- dominant" if phase == d.dominant else ""
+            lines.append(f"  {phase.ljust(width)}  {ms:>10.3f}  {ms / d.measured_ms if d.measured_ms else 0:>6.1%}{mark}")
+        lines.append(f"  {'unattributed'.ljust(width)}  {d.unattributed_ms:>10.3f}  {d.unattributed_ms / d.measured_ms if d.measured_ms else 0:>6.1%}")
+        basis = "client-measured mean latency" if d.client else "Triton's mean request time"
+        lines.append(f"  {'total'.ljust(width)}  {d.measured_ms:>10.3f}  {1:>6.0%}  ({basis}; {d.attributed_share:.1%} attributed to named phases)")
+        if d.client and d.client.p50_ms is not None:
+            lines.append(f"  client latency p50 {d.client.p50_ms:.3f} ms, p99 {d.client.p99_ms:.3f} ms")
+        batches = ", ".join(f"{b}: {n}" for b, n in d.batch_sizes.items()) or "none"
+        lines.append(f"  executed batch sizes (size: executions): {batches}; {d.rows} rows in {d.executions} executions")
+        rejected = "unknown (pass --metrics-url)" if d.rejected is None else str(d.rejected)
+        lines.append(f"  response cache hits {d.cache_hits} ({d.cache_hit_rate:.0%}); failed {d.failed}, of them rejected by the queue policy {rejected}")
+        for note in d.notes:
+            lines.append(f"  note: {note}")
+        dec = d.decision
+        lines.append(f"  decision: {dec.phase} is {dec.share:.0%} of the time -> {dec.technique}")
+        lines.append(f"    {dec.detail}")
+        if dec.command:
+            lines.append(f"    run: {dec.command}")
+        lines.append("")
+    return "\n".join(lines)

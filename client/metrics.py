@@ -1,0 +1,102 @@
+"""Per-phase latency histograms of the request paths, exported with prometheus-client.
+
+`scorestack diagnose --client-metrics URL` scrapes them and joins them with Triton's statistics.
+
+    registry = CollectorRegistry()
+    metrics = RequestMetrics(registry, service="fraud", model="fraud_xgb")
+    result = await fraud.score(transaction)
+    metrics.observe(result.timings_ms)          # validate, features, features_wait, assemble, infer, total
+    server = serve(9108, registry)              # GET http://127.0.0.1:9108/metrics
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from typing import Mapping
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+
+from scorestack.features.metrics import in_process_values
+
+METRIC = "scorestack_request_phase_seconds"
+
+# The phases the request paths time (client/timing.py). `features` is the fetch's own duration, which
+# overlaps validation; `features_wait` is what the request waited for it on the critical path. Queue
+# wait and network are not visible to a client: `diagnose --client-metrics` splits them out of
+# `infer` with Triton's statistics.
+PHASES = ("validate", "features", "features_wait", "assemble", "infer", "total")
+
+# 50 µs .. 2.5 s: a cache hit at the floor and a request that ran into its deadline both land in a bucket.
+BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+_PHASE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_families: "weakref.WeakKeyDictionary[CollectorRegistry, Histogram]" = weakref.WeakKeyDictionary()
+_families_lock = threading.Lock()
+
+
+def _family(registry: CollectorRegistry) -> Histogram:
+    """One histogram family per registry, shared by every RequestMetrics on it (one per service)."""
+    with _families_lock:
+        family = _families.get(registry)
+        if family is None:
+            family = Histogram(
+                METRIC,
+                "Wall time of one phase of one request on the request path (seconds).",
+                ["service", "model", "phase"],
+                registry=registry,
+                buckets=BUCKETS,
+            )
+            _families[registry] = family
+        return family
+
+
+class RequestMetrics:
+    """Histograms of one service's request phases, labelled (service, model, phase).
+
+    `observe(phases_ms)` takes a request's phase timings in milliseconds, as the request paths
+    report them (`FraudScore.timings_ms`, `RankedItems.timings_ms`), and records them in seconds.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, service: str, model: str) -> None:
+        if not service or not model:
+            raise ValueError("RequestMetrics needs a service name and the Triton model it calls (service=..., model=...)")
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.service = service
+        self.model = model
+        self._histogram = _family(self.registry)
+        self._children: dict[str, object] = {}
+        self._lock = threading.Lock()
+        for phase in PHASES:
+            self._child(phase)
+
+    def _child(self, phase: str):  # noqa: ANN202 - a prometheus_client child
+        child = self._children.get(phase)
+        if child is None:
+            if not _PHASE_NAME.match(phase):
+                raise ValueError(f"phase {phase!r}: use lower-case letters, digits and '_' (e.g. features_wait)")
+            # In-process values even after `import feast` switched prometheus_client to multiprocess
+            # files (features/metrics.py says why).
+            with self._lock, in_process_values():
+                child = self._children.get(phase) or self._histogram.labels(self.service, self.model, phase)
+                self._children[phase] = child
+        return child
+
+    def observe(self, phases_ms: Mapping[str, float]) -> None:
+        """Record one request's phases (milliseconds; `total` is the request's wall time)."""
+        for phase, ms in phases_ms.items():
+            value = float(ms)
+            if value < 0 or value != value:
+                raise ValueError(f"phase {phase!r}: {ms!r} ms is not a duration; timings are non-negative milliseconds")
+            self._child(phase).observe(value / 1e3)
+
+
+def serve(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1"):  # noqa: ANN201 - (server, thread)
+    """Serve `registry` at http://addr:port/metrics from a daemon thread; returns (server, thread).
+
+    Binds loopback by default (metrics name services and models); stop with `server.shutdown()`.
+    """
+    return start_http_server(port, addr=addr, registry=registry)

@@ -1,0 +1,266 @@
+"""`scorestack diagnose` on a deployment the demo never made: a model trained and compiled here, served
+by the real local Triton, traffic from a separate client process, and the fraud request path's
+exported histograms joined with Triton's statistics.
+
+Each diagnosis window is made to contain all of the traffic (the client starts when diagnose says it
+is watching and must finish before the window ends), so what diagnose reports can be checked against
+Triton's own cumulative statistics read by the test before and after, exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import xgboost as xgb
+import yaml
+
+from scorestack import demo_data, schema
+from scorestack.client.server_stats import SERVER_PHASES, parse_statistics
+from scorestack.compile import compile_model
+from scorestack.serve import LocalTriton
+
+MODEL = "acme_risk"  # not a demo model: trained and compiled by this test
+EXE = str(Path(sys.executable).parent / "scorestack")
+PASSIVE_REQUESTS = 600
+FRAUD_REQUESTS = 200
+WINDOW_S = 12.0  # long enough to hold all the traffic on a busy 2-core host; asserted below
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, server_environment):
+    """A small XGBoost on the fraud feature layout, compiled into a repository of this test's own and served."""
+    root = tmp_path_factory.mktemp("diagnose")
+    rng = np.random.default_rng(11)
+    X = rng.normal(size=(2400, len(schema.FRAUD_FEATURES))).astype(np.float32)
+    y = (X[:, 0] + 0.7 * X[:, 3] * X[:, 5] - 0.4 * X[:, 20] > 0.2).astype(int)
+    model = xgb.XGBClassifier(n_estimators=60, max_depth=4, n_jobs=1).fit(X[:2000], y[:2000])
+    model.get_booster().save_model(root / "acme_risk.json")
+    np.savez(root / "holdout.npz", X=X[2000:], y=y[2000:])
+    spec = {
+        "name": MODEL,
+        "source": {"path": "acme_risk.json", "format": "xgboost-json"},
+        "task": "binary",
+        "inputs": {"features": list(schema.FRAUD_FEATURES)},
+        "serving": {"batch_sizes": [1, 16], "max_batch_size": 64, "latency_budget_ms": 200},
+        "holdout": "holdout.npz",
+        "formats": ["onnx", "native"],
+    }
+    spec_path = root / "acme_risk.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    repo = root / "model_repository"
+    # No serving check inside the compile: the test serves the model itself right below.
+    report = compile_model(spec_path, repo, serve_check=False)
+    assert report.selected.format in ("onnx", "native", "dispatch")
+    with LocalTriton(repo, server_env=server_environment) as server:
+        yield server, repo, root
+
+
+def _stats(server: LocalTriton):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        return parse_statistics(client.get_inference_statistics(MODEL, as_json=True, client_timeout=10))[MODEL]
+    finally:
+        client.close()
+
+
+def _start_diagnose(args: list[str]) -> subprocess.Popen:
+    """Start `scorestack diagnose`, returning once it has taken its first readings ("watching ...")."""
+    proc = subprocess.Popen([EXE, "diagnose", *args, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        seen.append(line)
+        if line.startswith("watching"):
+            return proc
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"diagnose never started watching: {''.join(seen)}{proc.stdout.read()}")
+
+
+def _finish(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    return json.loads(out)
+
+
+CLIENT = textwrap.dedent(
+    """
+    import asyncio, sys
+    import numpy as np
+    import tritonclient.grpc.aio as grpc
+
+    async def main(url, model, holdout, n, concurrency):
+        client = grpc.InferenceServerClient(url)
+        X = np.load(holdout)["X"].astype(np.float32)
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i):
+            rows = 1 + i % 4  # requests of 1-4 rows, so executed batches vary
+            x = np.ascontiguousarray(X[i % 300 : i % 300 + rows])
+            inp = grpc.InferInput("features", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            async with sem:
+                await client.infer(model, [inp], client_timeout=30)
+
+        sys.stdin.readline()  # "go": diagnose is watching
+        await asyncio.gather(*(one(i) for i in range(n)))
+        await client.close()
+        print("sent", n, flush=True)
+
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
+    """
+)
+
+
+def test_passive_diagnosis_of_a_user_model_adds_up_to_tritons_statistics(deployment, tmp_path):
+    server, repo, root = deployment
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, server.grpc_url, MODEL, str(root / "holdout.npz"), str(PASSIVE_REQUESTS), "8"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stats_file = tmp_path / "stats.json"
+    before = _stats(server)
+    diagnose = _start_diagnose(
+        ["--url", server.grpc_url, "--model", MODEL, "--window", str(WINDOW_S), "--metrics-url", server.metrics_url,
+         "--repository", str(repo), "--save-stats", str(stats_file)]
+    )  # fmt: skip
+    try:
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        out, err = client.communicate(timeout=120)
+        assert client.returncode == 0 and f"sent {PASSIVE_REQUESTS}" in out, err
+        assert diagnose.poll() is None, "the client's traffic outlasted the diagnosis window: raise WINDOW_S"
+        doc = _finish(diagnose)
+    finally:
+        for p in (client, diagnose):
+            if p.poll() is None:
+                p.kill()
+    triton = _stats(server) - before  # Triton's own accounting over (a superset of) the window
+
+    (d,) = doc["models"]
+    assert d["model"] == MODEL and d["mode"] == "passive" and d["client"] is None
+    # Every request of the window, exactly as Triton counted them.
+    assert d["requests"] == triton.success.count == PASSIVE_REQUESTS
+    assert d["failed"] == 0 and d["rejected"] == 0
+    assert d["rows"] == triton.inference_count == sum(1 + i % 4 for i in range(PASSIVE_REQUESTS))
+    assert {int(b): n for b, n in d["batch_sizes"].items()} == dict(triton.batches)
+    assert sum(int(b) * n for b, n in d["batch_sizes"].items()) == d["rows"]
+    assert d["executions"] == triton.execution_count == sum(triton.batches.values())
+    assert d["server_total_ms"]["success"] == pytest.approx(triton.success.ns / 1e6, rel=1e-12)
+    for phase in SERVER_PHASES:
+        assert d["server_total_ms"][phase] == pytest.approx(triton.phase_ns(phase) / 1e6, rel=1e-12)
+
+    # The named phases add up to Triton's own request time within 5%, and the rest is reported.
+    named_total = sum(triton.phase_ns(p) for p in SERVER_PHASES) / 1e6
+    assert named_total == pytest.approx(triton.success.ns / 1e6, rel=0.05)
+    assert sum(d["phases_ms"].values()) * d["requests"] == pytest.approx(named_total, rel=1e-9)
+    assert sum(d["phases_ms"].values()) + d["unattributed_ms"] == pytest.approx(d["measured_ms"], rel=1e-9)
+    assert d["measured_ms"] == pytest.approx(triton.success.ns / triton.success.count / 1e6, rel=1e-9)
+    assert d["attributed_share"] >= 0.95
+
+    # The dominant phase is Triton's largest, and the decision is about it.
+    largest = max(SERVER_PHASES, key=triton.phase_ns)
+    assert d["dominant"] == largest == d["decision"]["phase"]
+    assert d["decision"]["technique"] and d["decision"]["detail"]
+
+    # The saved window is a batch profile the compiler reads: the executed sizes of this traffic.
+    from scorestack.compile.profile import profile_for
+
+    profile = profile_for(stats_file, MODEL)
+    assert profile.executions == dict(triton.batches) and profile.requests == PASSIVE_REQUESTS
+    assert doc["stats_file"] == str(stats_file.resolve())
+
+
+@pytest.fixture(scope="module")
+def feature_repo(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Path:
+    from scorestack.features import store
+
+    repo = tmp_path_factory.mktemp("diagnose_features") / "repo"
+    store.init_repo(repo, online="redis", redis_url=redis_url, n_users=100, n_items=50, project="diagnose_e2e")
+    store.apply(repo)
+    store.materialize(repo)
+    return repo
+
+
+def _transaction(i: int) -> dict:
+    row = demo_data.make_fraud_requests(FRAUD_REQUESTS, seed=77).iloc[i % FRAUD_REQUESTS]
+    return {"user_id": 1 + i % 100, **{k: float(v) for k, v in row.items()}}
+
+
+def test_client_metrics_join_attributes_the_fraud_paths_latency(deployment, feature_repo):
+    from prometheus_client import CollectorRegistry
+
+    from scorestack.client.fraud import FraudService
+    from scorestack.client.metrics import RequestMetrics, serve
+    from scorestack.client.triton import TritonClient
+    from scorestack.features.fetch import FeatureFetcher
+
+    server, repo, _ = deployment
+    registry = CollectorRegistry()
+    metrics = RequestMetrics(registry, service="fraud", model=MODEL)
+    http, _ = serve(0, registry)
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def open_path():
+            # One registry for the fetch layer and the request phases: one endpoint to scrape.
+            fetcher = await FeatureFetcher.from_repo(feature_repo, timeout_s=0.5, registry=registry).start()
+            return TritonClient(server.grpc_url, deadline_s=5.0), fetcher
+
+        triton, fetcher = loop.run_until_complete(open_path())
+        fraud = FraudService(triton, fetcher, model=MODEL)
+        totals: list[float] = []
+
+        async def traffic(n: int, record: bool) -> None:
+            for i in range(n):
+                result = await fraud.score(_transaction(i))
+                assert 0.0 <= result.probability <= 1.0
+                if record:
+                    metrics.observe(result.timings_ms)  # the wiring the fraud path takes (issue9-requests.md)
+                    totals.append(result.timings_ms["total"])
+
+        loop.run_until_complete(traffic(10, record=False))  # warm: metadata, threshold, connections
+        before = _stats(server)
+        diagnose = _start_diagnose(
+            ["--url", server.grpc_url, "--model", MODEL, "--window", str(WINDOW_S), "--repository", str(repo),
+             "--client-metrics", f"http://127.0.0.1:{http.server_port}/metrics"]
+        )  # fmt: skip
+        try:
+            loop.run_until_complete(traffic(FRAUD_REQUESTS, record=True))
+            assert diagnose.poll() is None, "the fraud traffic outlasted the diagnosis window: raise WINDOW_S"
+            doc = _finish(diagnose)
+        finally:
+            if diagnose.poll() is None:
+                diagnose.kill()
+        triton_delta = _stats(server) - before
+        loop.run_until_complete(fetcher.close())
+        loop.run_until_complete(triton.close())
+    finally:
+        http.shutdown()
+        loop.close()
+
+    (d,) = doc["models"]
+    assert d["mode"] == "client-metrics" and d["client"]["service"] == "fraud"
+    # The join sees exactly the fraud path's requests, on both sides.
+    assert d["client"]["requests"] == FRAUD_REQUESTS == d["requests"] == triton_delta.success.count
+    assert d["client"]["mean_ms"]["total"] == pytest.approx(float(np.mean(totals)), rel=1e-6)
+    assert d["measured_ms"] == d["client"]["mean_ms"]["total"]
+    # Client, server and network phases by name; at least 95% of the client's mean latency is in them.
+    assert {"validate", "features", "assemble", "queue", "compute_input", "compute_infer", "compute_output", "network"} <= set(d["phases_ms"])
+    assert all(v >= 0 for v in d["phases_ms"].values())
+    assert d["phases_ms"]["compute_infer"] == pytest.approx(triton_delta.compute_infer.ns / FRAUD_REQUESTS / 1e6, rel=1e-9)
+    assert d["attributed_share"] >= 0.95, d
+    assert d["unattributed_ms"] == pytest.approx(d["measured_ms"] - sum(d["phases_ms"].values()), abs=1e-9)
+    assert d["dominant"] == max(d["phases_ms"], key=d["phases_ms"].get) == d["decision"]["phase"]
+    assert d["decision"]["technique"]
