@@ -145,23 +145,27 @@ def decide_compute(
     best, best_us = min(options.items(), key=lambda kv: kv[1])
     measured = f"at the executed batch sizes ({executed}) the compile measured the served {report.selected.format} at {served_us:.0f} µs per execution"
     seen_us = stats.execution_infer_us
-    if seen_us is not None and seen_us > OVERHEAD_FACTOR * served_us:
-        # Triton spends far longer per execution than the model itself measured: the cost is the
+    gain_us = served_us - best_us if best_us < served_us * (1 - RECOMPILE_GAIN) else 0.0
+    overhead_us = seen_us - served_us if seen_us is not None and seen_us > OVERHEAD_FACTOR * served_us else 0.0
+    if gain_us > 0 and gain_us >= overhead_us:
+        command = recompile_command(report, repository, stats_file) if stats_file is not None else None
+        return Decision(
+            "compute_infer", share, f"recompile for the executed batch sizes ({best} is faster there)",
+            f"{measured}, {best} at {best_us:.0f} µs ({served_us / best_us:.1f}x)"
+            + (f"; Triton spent {seen_us:.0f} µs per execution" if seen_us is not None else ""),
+            command,
+        )  # fmt: skip
+    if overhead_us > 0:
+        # Triton spends far longer per execution than the model itself measured: the time goes to the
         # backend's per-execution work (the Python backend's IPC in the local view), which a faster
         # format cannot remove; fewer, fuller executions or a native backend can.
         per_exec = stats.success.count / max(sum(stats.batches.values()), 1)
         return Decision(
             "compute_infer", share, "fewer, fuller executions or a native backend (the model is a small part of compute)",
-            f"Triton spent {seen_us:.0f} µs per execution where {measured}: {1 - served_us / seen_us:.0%} is the backend's "
+            f"Triton spent {seen_us:.0f} µs per execution where {measured}: {overhead_us / seen_us:.0%} is the backend's "
             f"per-execution overhead; executions join {per_exec:.1f} requests on average: raise max_queue_delay_microseconds "
-            "so more requests share one, or serve on Triton's native onnxruntime backend (the production container)",
-        )  # fmt: skip
-    if best_us < served_us * (1 - RECOMPILE_GAIN):
-        command = recompile_command(report, repository, stats_file) if stats_file is not None else None
-        return Decision(
-            "compute_infer", share, f"recompile for the executed batch sizes ({best} is faster there)",
-            f"{measured}, {best} at {best_us:.0f} µs ({served_us / best_us:.1f}x)",
-            command,
+            "so more requests share one, or serve on Triton's native onnxruntime backend (the production container)"
+            + (f"; recompiling ({best}, {best_us:.0f} µs) would save less" if gain_us > 0 else ""),
         )  # fmt: skip
     return Decision(
         "compute_infer", share, "make the model smaller (the served format is already the fastest measured)",
@@ -196,8 +200,11 @@ def decide_queue(share: float, stats: "ModelStats", config: ServedConfig | None,
     )  # fmt: skip
 
 
-def decide_features(share: float, wait_ms: float, features: FeatureSide | None) -> Decision:
-    """The feature fetch dominates: the backend, the cache or coalescing, from the fetch layer's metrics."""
+def decide_features(share: float, wait_ms: float, features: FeatureSide | None, in_flight: float) -> Decision:
+    """The feature fetch dominates: the backend, the cache or coalescing, from the fetch layer's metrics.
+
+    `in_flight`: requests in flight on average over the window (Little's law: rate x latency);
+    coalescing can only join fetches that overlap."""
     if features is None or not features.reads_by_backend:
         return Decision("features", share, "cache, coalesce or read features directly", f"the request waited {wait_ms:.3f} ms for features; the service exports no fetch-layer metrics (share the fetcher's registry)")
     reads = "; ".join(f"{b}: {n} reads, {ms:.3f} ms mean" for b, (n, ms) in features.reads_by_backend.items())
@@ -211,9 +218,14 @@ def decide_features(share: float, wait_ms: float, features: FeatureSide | None) 
         return Decision("features", share, f"read with the direct Redis reader instead of {slow[0]} (FeatureFetcher backend='auto' or 'direct')", detail)
     if hit_rate is not None and hit_rate < 0.5:
         return Decision("features", share, "cache slow-moving views longer (their cache_ttl_s tag)", detail)
-    if features.fetches_per_read is not None and features.fetches_per_read < 1.5:
+    detail += f"; {in_flight:.1f} requests in flight on average"
+    if features.fetches_per_read is not None and features.fetches_per_read < 1.5 and in_flight >= 2:
         return Decision("features", share, "coalesce concurrent fetches (FeatureFetcher coalesce_window_s)", detail)
-    return Decision("features", share, "bring the store closer (the store's own read time dominates)", detail)
+    slowest, (_, read_ms) = max(features.reads_by_backend.items(), key=lambda kv: kv[1][1])
+    return Decision(
+        "features", share, f"shorten the store round trip ({slowest} reads take {read_ms:.3f} ms): run Redis next to the service, on a less loaded host",
+        detail + ("" if in_flight >= 2 else " (too few to coalesce)"),
+    )  # fmt: skip
 
 
 OTHER_ADVICE = {

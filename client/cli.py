@@ -48,13 +48,11 @@ def diagnose(
 ) -> None:
     """Say which phase dominates a model's latency and what to do about it.
 
-    Passive (--window S): watch Triton's statistics over live traffic, sending nothing; with
-    --client-metrics, join the request path's exported phases for an end-to-end breakdown.
-    Active (--model, --rows): replay rows at --concurrency or --rate. Neither: send the demo's
-    fraud and ranking traffic through the demo services.
+    Passive (--window S): watch Triton's statistics over live traffic, sending nothing; with --client-metrics, join the request path's exported phases for an end-to-end breakdown.
 
-    Triton's statistics API may be restricted: the admin key comes from SCORESTACK_ADMIN_KEY or
-    SCORESTACK_ADMIN_KEY_FILE, never from the command line."""
+    Active (--model, --rows): replay rows at --concurrency or --rate. Neither: send the demo's fraud and ranking traffic through the demo services.
+
+    Triton's statistics API may be restricted: the admin key comes from SCORESTACK_ADMIN_KEY or SCORESTACK_ADMIN_KEY_FILE, never from the command line."""
     from rich.console import Console
 
     from scorestack import paths
@@ -62,7 +60,10 @@ def diagnose(
     from scorestack.errors import ScorestackError
     from scorestack.serve.security import ClientTls
 
-    err = Console(stderr=True)
+    from rich.markup import escape
+
+    # No wrapping: messages stay one line each, for logs and for whoever reads them by line.
+    err = Console(stderr=True, soft_wrap=True)
     demo_flags = {"--feature-repo": feature_repo, "--fraud-requests": fraud_requests, "--ranking-requests": ranking_requests, "--candidates": candidates, "--users": users, "--items": items}
     active_flags = {"--rows": rows, "--requests": requests, "--concurrency": concurrency, "--rate": rate}
     passive = window is not None or client_metrics is not None
@@ -84,7 +85,7 @@ def diagnose(
     try:
         if passive:
             def started(names: list[str]) -> None:
-                err.print(f"watching {', '.join(names)} on {url} for {window:g} s (sending nothing)")
+                err.print(escape(f"watching {', '.join(names)} on {url} for {window:g} s (sending nothing)"))
                 sys.stderr.flush()
 
             result = asyncio.run(dg.watch(target, window, client_metrics=client_metrics, on_start=started))
@@ -97,10 +98,10 @@ def diagnose(
             )  # fmt: skip
             return
     except ScorestackError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(1)
     except ValueError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
     if json_out:
         print(json.dumps(dg.to_json(result, url=url, stats_file=str(stats_file)), indent=1))
@@ -110,6 +111,8 @@ def diagnose(
 
 
 async def _replay_all(target, rows: Path | None, requests: int, concurrency: int, rate: float | None, rows_per_request: int, err) -> list:  # noqa: ANN001
+    from rich.markup import escape
+
     from scorestack.client import diagnose as dg
     from scorestack.paths import default_repository
 
@@ -123,7 +126,7 @@ async def _replay_all(target, rows: Path | None, requests: int, concurrency: int
         else:
             data, source = dg.holdout_rows(target.repository or default_repository(), model)
         mode = f"{rate:g} requests/s" if rate is not None else f"concurrency {concurrency}"
-        err.print(f"replaying {requests} requests of {rows_per_request} row(s) into {model} at {mode}, from {source}")
+        err.print(escape(f"replaying {requests} requests of {rows_per_request} row(s) into {model} at {mode}, from {source}"))
         out.append(await dg.replay(target, model, data, requests=requests, concurrency=concurrency, rate=rate, rows_per_request=rows_per_request))
     return out
 
@@ -133,6 +136,7 @@ def _demo(url: str, feature_repo: Path | None, fraud_model: str, ranking_model: 
     from dataclasses import asdict
 
     from rich.console import Console
+    from rich.markup import escape
 
     from scorestack import paths
     from scorestack.client.diagnose import diagnosis_line, render, run_diagnosis
@@ -149,7 +153,7 @@ def _demo(url: str, feature_repo: Path | None, fraud_model: str, ranking_model: 
             )  # fmt: skip
         )
     except ScorestackError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(1)
     if json_out:
         print(json.dumps({"mode": "demo", "url": url, "services": [asdict(b) for b in result]}, indent=1))

@@ -357,7 +357,8 @@ def _decision(
     if dominant == "queue":
         return decide_queue(share, stats, ctx.config, window_s, phases["queue"])
     if dominant == "features":
-        return decide_features(share, phases["features"], ctx.features)
+        in_flight = ctx.client_requests * ctx.client_latency_ms / 1e3 / window_s if window_s > 0 else 0.0
+        return decide_features(share, phases["features"], ctx.features, in_flight)
     technique = OTHER_ADVICE.get(dominant, "look closer at this phase")
     return Decision(dominant, share, technique, f"{dominant} is {phases[dominant]:.3f} ms of {sum(phases.values()):.3f} ms named per request")
 
@@ -373,6 +374,8 @@ class _Context:
     stats_file: Path | None
     features: FeatureSide | None = None
     notes: tuple[str, ...] = ()
+    client_requests: int = 0  # the client's requests in the window and their mean latency (Little's law)
+    client_latency_ms: float = 0.0
 
 
 def diagnose_model(
@@ -407,9 +410,15 @@ def diagnose_model(
         measured = client.mean_ms.get("total", 0.0)
     named = sum(phases.values())
     unattributed = measured - named
-    dominant = max(phases, key=phases.__getitem__)
-    share = phases[dominant] / measured if measured > 0 else 0.0
-    decision = _decision(dominant, share, stats, ctx, window_s, phases)
+    if stats.success.count == 0:
+        dominant = "none"
+        decision = Decision("none", 0.0, "watch while traffic flows", f"no successful request reached {stats.model!r} in the {window_s:.1f} s window ({stats.fail.count} failed)")
+    else:
+        dominant = max(phases, key=phases.__getitem__)
+        share = phases[dominant] / measured if measured > 0 else 0.0
+        if client is not None:
+            ctx = replace(ctx, client_requests=client.requests, client_latency_ms=measured)
+        decision = _decision(dominant, share, stats, ctx, window_s, phases)
     rejected = None if failures is None else int(failures.get("REJECTED", 0))
     return Diagnosis(
         model=stats.model,

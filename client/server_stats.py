@@ -153,6 +153,8 @@ async def read_statistics(triton: "TritonClient", models: Sequence[str] | None =
             if "restricted" in message.lower():
                 raise admin_refusal(triton.url, triton.admin_key, f"the statistics of {what}", message) from exc
             target = f"model {name!r}" if name else "models"
+            if name and ("not available" in message or "not found" in message.lower()):
+                raise InferenceError(f"model {name!r}: not served by Triton at {triton.url} (Triton said: {message})") from exc
             raise InferenceError(f"{target}: statistics unavailable from Triton at {triton.url}: {message}") from exc
         out.update(parse_statistics(doc))
     return out

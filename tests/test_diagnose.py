@@ -264,3 +264,103 @@ def test_client_metrics_join_attributes_the_fraud_paths_latency(deployment, feat
     assert d["unattributed_ms"] == pytest.approx(d["measured_ms"] - sum(d["phases_ms"].values()), abs=1e-9)
     assert d["dominant"] == max(d["phases_ms"], key=d["phases_ms"].get) == d["decision"]["phase"]
     assert d["decision"]["technique"]
+
+
+def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([EXE, "diagnose", *args], capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_replay_from_the_compile_reports_holdout_and_from_an_npz(deployment, tmp_path):
+    server, repo, root = deployment
+    base = ["--url", server.grpc_url, "--model", MODEL, "--repository", str(repo), "--save-stats", str(tmp_path / "s.json"), "--json"]
+    # Default rows: the held-out rows the model's report.json -> spec -> holdout points to.
+    out = _run([*base, "--requests", "150", "--concurrency", "4"])
+    assert out.returncode == 0, out.stderr
+    assert "holdout.npz" in out.stderr and "acme_risk.yaml" in out.stderr
+    (d,) = json.loads(out.stdout)["models"]
+    assert d["mode"] == "replay" and d["requests"] == 150 == d["client"]["requests"] and d["rows"] == 150
+    assert d["client"]["p50_ms"] <= d["client"]["p99_ms"] and d["measured_ms"] == d["client"]["mean_ms"]["total"]
+    assert "network" in d["phases_ms"] and d["attributed_share"] >= 0.95
+
+    rows = tmp_path / "rows.npz"
+    np.savez(rows, X=np.load(root / "holdout.npz")["X"][:50].astype(np.float64))  # cast to the model's FP32 on the way
+    out = _run([*base, "--rows", str(rows), "--requests", "60", "--rate", "300", "--rows-per-request", "3"])
+    assert out.returncode == 0, out.stderr
+    (d,) = json.loads(out.stdout)["models"]
+    assert d["requests"] == 60 and d["rows"] == 180
+
+
+def test_bad_input_is_named_with_the_fix(deployment, tmp_path):
+    server, repo, _ = deployment
+    url = ["--url", server.grpc_url]
+    out = _run([*url, "--model", "nope", "--window", "1"])
+    assert out.returncode == 1 and "'nope'" in out.stderr and "not served" in out.stderr
+    no_x = tmp_path / "no_x.npz"
+    np.savez(no_x, rows=np.zeros((3, 3)))
+    out = _run([*url, "--model", MODEL, "--rows", str(no_x)])
+    assert out.returncode == 1 and "no array X" in out.stderr and "np.savez" in out.stderr
+    out = _run([*url, "--client-metrics", "http://127.0.0.1:1/metrics"])
+    assert out.returncode == 2 and "--window" in out.stderr
+    out = _run([*url, "--window", "5", "--rate", "10"])
+    assert out.returncode == 2 and "sends nothing" in out.stderr
+    out = _run([*url, "--window", "1", "--client-metrics", "http://127.0.0.1:1/metrics", "--model", MODEL])
+    assert out.returncode == 1 and "http://127.0.0.1:1/metrics did not answer" in out.stderr
+
+
+def test_restricted_statistics_take_the_admin_key_from_the_environment_only(deployment, server_environment):
+    import os
+    import secrets
+
+    from scorestack.serve.security import ADMIN_KEY_ENV, AdminKey
+
+    _, repo, _ = deployment
+    key = AdminKey(secrets.token_urlsafe(32), "test")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SCORESTACK_ADMIN_KEY")}
+    with LocalTriton(repo, server_env=server_environment, admin_key=key) as restricted:
+        args = ["--url", restricted.grpc_url, "--window", "0.5", "--json", "--repository", str(repo)]
+        refused = _run(args, env=env)
+        assert refused.returncode == 1 and ADMIN_KEY_ENV in refused.stderr and key.value not in refused.stderr
+        out = _run(args, env={**env, ADMIN_KEY_ENV: key.value})
+        assert out.returncode == 0, out.stderr
+        (d,) = json.loads(out.stdout)["models"]  # every ready model: the one served
+        assert d["model"] == MODEL and d["requests"] == 0 and d["decision"]["phase"] == "none"
+        assert key.value not in out.stdout + out.stderr
+
+
+def test_compute_decision_prints_a_recompile_command_the_compiler_accepts(deployment, tmp_path):
+    """The served format measured slower at the executed batch sizes than another one -> the command.
+
+    The compile report is the real one; the served format is set to the one its curves measured
+    slowest at batch 1 (a model compiled for other traffic), and the window executed batch 1 only.
+    The printed command is then run as printed, into a repository of the test's own.
+    """
+    import shlex
+
+    from scorestack.client.advice import _curves, decide_compute
+    from scorestack.client.diagnose import save_profile
+    from scorestack.client.server_stats import Duration, ModelStats
+    from scorestack.compile.report import CompileReport
+
+    _, repo, _ = deployment
+    report = CompileReport.model_validate_json((repo / MODEL / "report.json").read_text())
+    curves = _curves(report)
+    assert len(curves) >= 2, f"the compile measured one format only: {curves}"
+    slow = max(curves, key=lambda f: curves[f][1])
+    fast = min(curves, key=lambda f: curves[f][1])
+    assert curves[slow][1] > 1.2 * curves[fast][1], curves  # onnx vs native XGBoost at batch 1 (PLATFORM_NOTES: >10x)
+    served = report.model_copy(update={"selected": report.selected.model_copy(update={"format": slow})})
+    window = ModelStats(MODEL, success=Duration(400, 400 * 10**6), compute_infer=Duration(400, 400 * 10**6),
+                        inference_count=400, execution_count=400, batches={1: 400}, batch_infer_ns={1: 400 * int(curves[slow][1] * 1e3)})  # fmt: skip
+    stats_file = save_profile(tmp_path / "stats.json", [window])
+    own_repo = tmp_path / "recompiled"
+    decision = decide_compute(0.8, window, served, repo / MODEL / "report.json", own_repo, stats_file)
+    assert decision.phase == "compute_infer" and decision.command is not None
+    assert decision.technique.startswith("recompile") and (fast in decision.technique or "dispatch" in decision.technique)
+    argv = shlex.split(decision.command)
+    assert argv[:2] == ["scorestack", "compile"] and argv[argv.index("--batch-profile") + 1] == str(stats_file)
+
+    done = subprocess.run([EXE, *argv[1:], "--no-serve-check"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    recompiled = CompileReport.model_validate_json((own_repo / MODEL / "report.json").read_text())
+    assert recompiled.batch_profile is not None and recompiled.batch_profile.executions == {"1": 400}
+    assert recompiled.batch_profile.requests == 400
