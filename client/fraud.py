@@ -79,6 +79,7 @@ class FraudService(ScoringPath):
             missing = sorted(set(self.counter_update.features) - set(fetcher.feature_names(feature_service)))
             if missing:
                 raise RequestValidationError("counter_update", f"features {missing} are not in feature service {feature_service!r}")
+            self._counter_cols = [self.feature_names.index(f) for f in self.counter_update.features]
 
     async def score(self, transaction: Mapping[str, Any]) -> FraudScore:
         timer = PhaseTimer()
@@ -97,12 +98,18 @@ class FraudService(ScoringPath):
                 fetch.cancel()
                 raise
         features, vector = await self._features_matrix(timer, fetch, request_values)
+        unwritten = None
+        if self.counter_update is not None:
+            # This user's previous transaction may still be on its way to the store: score with it.
+            unwritten = self.writer.unwritten(self.counter_update.push_source, user)
+            if unwritten is not None:
+                vector[0, self._counter_cols] = [float(unwritten[f][0]) for f in self.counter_update.features]
         with timer.phase("infer"):
             result = await self.triton.infer(self.model, {schema.INPUT_TENSOR: vector}, deadline_s=self.deadline_s)
         probability = float(result.outputs[schema.OUTPUT_TENSORS["binary"]].reshape(-1)[0])
         threshold = self.threshold if self.threshold is not None else await self._served_threshold()
         if self.counter_update is not None:
-            self._write_back(user, features, transaction)
+            self._write_back(user, features, transaction, unwritten)
         return FraudScore(
             probability=probability,
             decision=probability >= threshold,
@@ -114,14 +121,14 @@ class FraudService(ScoringPath):
             timings_ms=timer.finish(),
         )
 
-    def _write_back(self, user: int | str, features, transaction: Mapping[str, Any]) -> None:
+    def _write_back(self, user: int | str, features, transaction: Mapping[str, Any], unwritten) -> None:
         """Queue the counters' update (returns at once; the push runs in the writer's background)."""
         update, writer = self.counter_update, self.writer
-        row = update.row(user, features, transaction)
+        row = update.row(user, features, transaction, unwritten=unwritten)
         if row is None:
             writer.skip(update.push_source)
         else:
-            writer.submit(update.push_source, row)
+            writer.submit(update.push_source, row, entity=user)
 
     async def _served_threshold(self) -> float:
         """The served model's decision threshold (metadata is cached by the client: no extra call)."""

@@ -54,20 +54,32 @@ class CounterUpdate:
         if unknown:
             raise FeatureError(f"increments: {unknown} are not among the view's features {list(self.features)}")
 
-    def row(self, entity: Any, fetched: FeatureResult, event: Mapping[str, Any], now: datetime | None = None) -> dict[str, Any] | None:
+    def row(
+        self,
+        entity: Any,
+        fetched: FeatureResult,
+        event: Mapping[str, Any],
+        now: datetime | None = None,
+        unwritten: Mapping[str, list] | None = None,
+    ) -> dict[str, Any] | None:
         """The view's new row after `event`, or None when the fetch did not read current counters.
 
         Counters that were not read fresh (missing, stale past the view's ttl, or defaulted because
         the store was slow) are not a base to add to: writing them back would store a guess as fact.
+        `unwritten`, a row of this entity still on its way to the store (`FeatureWriter.unwritten`),
+        is the base instead: it is newer than anything the fetch could have read.
         """
-        position = {name: i for i, name in enumerate(fetched.feature_names)}
-        missing = [f for f in self.features if f not in position]
-        if missing:
-            raise FeatureError(f"features: {missing} are not in feature service {fetched.service!r}'s result")
-        columns = [position[f] for f in self.features]
-        if not (fetched.status[0, columns] == FeatureStatus.PRESENT).all():
-            return None
-        values = fetched.values[0, columns].astype(np.float64)
+        if unwritten is not None:
+            values = np.array([float(unwritten[f][0]) for f in self.features], dtype=np.float64)
+        else:
+            position = {name: i for i, name in enumerate(fetched.feature_names)}
+            missing = [f for f in self.features if f not in position]
+            if missing:
+                raise FeatureError(f"features: {missing} are not in feature service {fetched.service!r}'s result")
+            columns = [position[f] for f in self.features]
+            if not (fetched.status[0, columns] == FeatureStatus.PRESENT).all():
+                return None
+            values = fetched.values[0, columns].astype(np.float64)
         row: dict[str, Any] = {self.key: [entity]}
         for name, value in zip(self.features, values.tolist()):
             if name in self.increments:
@@ -116,6 +128,10 @@ class FeatureWriter:
             )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="scorestack-push")
         self._tasks: set[asyncio.Task] = set()
+        # (push source, entity) -> (sequence, row) of the latest push not yet in the store: a second
+        # event of the entity arriving before it lands builds on it instead of on the older store value.
+        self._unwritten: dict[tuple[str, Any], tuple[int, dict[str, list]]] = {}
+        self._sequence = 0
 
     def count(self, push_source: str, outcome: str) -> int:
         """How many pushes to `push_source` ended with `outcome` (one of OUTCOMES)."""
@@ -126,13 +142,25 @@ class FeatureWriter:
         """Count an event that was not written back (its counters were not read fresh)."""
         self._pushes.labels(push_source, "skipped").inc()
 
-    def submit(self, push_source: str, row: Mapping[str, list]) -> bool:
-        """Queue one push of `row` (columns of equal length); False when the queue was full (dropped)."""
+    def unwritten(self, push_source: str, entity: Any) -> dict[str, list] | None:
+        """The latest row submitted for `entity` that is not yet in the store (None when all landed)."""
+        entry = self._unwritten.get((push_source, entity))
+        return entry[1] if entry is not None else None
+
+    def submit(self, push_source: str, row: Mapping[str, list], entity: Any = None) -> bool:
+        """Queue one push of `row` (columns of equal length); False when the queue was full (dropped).
+
+        With `entity`, the row is remembered as unwritten until its push ends (see `unwritten`).
+        """
         if len(self._tasks) >= self.max_pending:
             self._pushes.labels(push_source, "dropped").inc()
             logger.warning("push to %s dropped: %d pushes pending", push_source, len(self._tasks))
             return False
-        task = asyncio.get_running_loop().create_task(self._push(push_source, dict(row)))
+        self._sequence += 1
+        key = (push_source, entity) if entity is not None else None
+        if key is not None:
+            self._unwritten[key] = (self._sequence, dict(row))
+        task = asyncio.get_running_loop().create_task(self._push(push_source, dict(row), key, self._sequence))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return True
@@ -143,7 +171,15 @@ class FeatureWriter:
         # The DataFrame is built here, in the worker thread, not on the event loop.
         self.store.push(push_source, pd.DataFrame(row))
 
-    async def _push(self, push_source: str, row: dict[str, list]) -> None:
+    async def _push(self, push_source: str, row: dict[str, list], key: tuple | None = None, sequence: int = 0) -> None:
+        try:
+            await self._write(push_source, row)
+        finally:
+            # Landed, failed or timed out: from now on the store is the truth for this entity.
+            if key is not None and self._unwritten.get(key, (None,))[0] == sequence:
+                del self._unwritten[key]
+
+    async def _write(self, push_source: str, row: dict[str, list]) -> None:
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(loop.run_in_executor(self._executor, self._push_sync, push_source, row), self.timeout_s)

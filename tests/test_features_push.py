@@ -82,3 +82,27 @@ async def test_failed_pushes_are_counted_and_never_raise(tmp_path, private_redis
     assert writer.count(source, "dropped") == 1
     assert writer.count(source, "failed") + writer.count(source, "timeout") == 2
     assert writer.count(source, "pushed") == 0
+
+
+async def test_an_event_before_the_previous_push_landed_builds_on_it(repo):
+    """Two transactions of one user faster than the store write: the second builds on the first's
+    unwritten row, so neither increment is lost."""
+    fs = store.feature_store(repo)
+    writer = FeatureWriter(store.feature_store(repo), timeout_s=5.0)
+    source = VELOCITY_UPDATE.push_source
+    async with FeatureFetcher(fs, timeout_s=5.0) as fetcher:
+        before = await fetcher.fetch("fraud", {"user_id": 11})
+        first = VELOCITY_UPDATE.row(11, before, {"amount": 5.0})
+        writer.submit(source, first, entity=11)
+        assert writer.unwritten(source, 11) is not None  # submit returns before the write
+        second = VELOCITY_UPDATE.row(11, before, {"amount": 7.0}, unwritten=writer.unwritten(source, 11))
+        writer.submit(source, second, entity=11)
+        await writer.drain()
+        assert writer.unwritten(source, 11) is None
+        after = await fetcher.fetch("fraud", {"user_id": 11})
+    await writer.close()
+    index = {f: i for i, f in enumerate(schema.FRAUD_USER_VELOCITY)}
+    old, new = _velocity(before).astype(np.float64), _velocity(after)
+    assert new[index["txn_count_1h"]] == np.float32(old[index["txn_count_1h"]] + 2)
+    assert new[index["amount_sum_24h"]] == pytest.approx(old[index["amount_sum_24h"]] + 12.0, rel=1e-6)
+    assert writer.count(source, "pushed") == 2

@@ -143,7 +143,8 @@ def test_ranking_order_equals_source_ranker(loop, services, compiled_demo, featu
 
 def test_scored_transaction_moves_the_next_velocity(loop, services, feature_repo):
     """With a writer, each score pushes the user's velocity counters (off the critical path):
-    a second transaction a moment later is scored with the first one counted."""
+    a second transaction right after is scored with the first one counted, whether the first push
+    has landed yet or not (no drain in between), and the store ends with both."""
     from scorestack.client.fraud import VELOCITY_UPDATE
     from scorestack.features.push import FeatureWriter
 
@@ -153,16 +154,19 @@ def test_scored_transaction_moves_the_next_velocity(loop, services, feature_repo
     user = 377  # no other test scores this user
     first_txn, second_txn = _transaction(0, user), _transaction(1, user)
     first = loop.run_until_complete(fraud.score(first_txn))
-    loop.run_until_complete(writer.drain())
     second = loop.run_until_complete(fraud.score(second_txn))
+    third = loop.run_until_complete(fraud.score(_transaction(2, user)))
     loop.run_until_complete(writer.close())
+    fs = store.feature_store(feature_repo)
+    stored = fs.get_online_features(features=fs.get_feature_service("fraud"), entity_rows=[{"user_id": user}]).to_dict()
+    assert stored["txn_count_1h"][0] == third.features[schema.FRAUD_FEATURES.index("txn_count_1h")] + 1
     at = schema.FRAUD_FEATURES.index
     for name in ("txn_count_1h", "txn_count_24h"):
         assert second.features[at(name)] == first.features[at(name)] + 1
     for name in ("amount_sum_1h", "amount_sum_24h"):
         assert second.features[at(name)] == pytest.approx(first.features[at(name)] + first_txn["amount"], rel=1e-6)
     assert second.feature_status["txn_count_1h"] == "present"
-    assert writer.count(VELOCITY_UPDATE.push_source, "pushed") == 2
+    assert writer.count(VELOCITY_UPDATE.push_source, "pushed") == 3
 
 
 def test_one_call_and_chunks_agree(loop, services):
