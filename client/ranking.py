@@ -8,14 +8,14 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from scorestack import schema
+from scorestack import limits, schema
 from scorestack.client.requests import ScoringPath, numeric_fields, record
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import RequestValidationError
 from scorestack.features.fetch import FeatureFetcher
 
-DEFAULT_MAX_CANDIDATES = 2000
+DEFAULT_MAX_CANDIDATES = limits.MAX_CANDIDATES
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,10 @@ class RankingService(ScoringPath):
         chunk_size: int | None = None,
         deadline_s: float | None = None,
     ) -> None:
+        if max_candidates > limits.MAX_CANDIDATES:
+            raise RequestValidationError(
+                "max_candidates", f"{max_candidates} exceeds scorestack.limits.MAX_CANDIDATES ({limits.MAX_CANDIDATES}); raise it there"
+            )
         super().__init__(triton, fetcher, model=model, feature_names=feature_names, feature_service=feature_service, deadline_s=deadline_s)
         self.max_candidates = max_candidates
         self.chunk_size = chunk_size
