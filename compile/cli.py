@@ -79,8 +79,9 @@ def compile_command(
 
 def train_command(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for models, held-out rows and specs (default: <workspace>/models)."),
+    vision: bool = typer.Option(False, "--vision/--no-vision", help="Also train the image classifiers (a small CNN and a small residual network on upsampled digits)."),
 ) -> None:
-    """Train the demo models (fraud XGBoost, fraud scikit-learn, XGBRanker) and write their specs."""
+    """Train the demo models (fraud XGBoost, fraud scikit-learn, XGBRanker; with --vision the digit CNNs) and write their specs."""
     from rich.console import Console
 
     from scorestack.paths import workspace
@@ -91,6 +92,11 @@ def train_command(
     console = Console()
     with console.status(f"training demo models into {out_dir}"):
         specs = train_demo_models(out_dir)
+    if vision:
+        from .demo import train_vision_models
+
+        with console.status(f"training the vision demo models into {out_dir}"):
+            specs += train_vision_models(out_dir)
     for s in specs:
         console.print(f"spec: {s}")
 

@@ -159,6 +159,7 @@ class ChannelPruningSpec(_Strict):
     keep_ratio: float = Field(default=0.5, gt=0, lt=1)  # share of each prunable layer's channels kept
     epochs: PositiveInt = 5
     learning_rate: PositiveFloat = 2e-3
+    soft_weight: float = Field(default=0.5, ge=0, le=1)  # share of the unpruned model's softened outputs in the fine-tuning loss
 
 
 class StudentSpec(_Strict):

@@ -170,16 +170,25 @@ def train(
     epochs: int,
     lr: float,
     *,
-    teacher_logits: torch.Tensor | None = None,
+    teacher: Callable[[torch.Tensor], torch.Tensor] | None = None,
     temperature: float = 4.0,
     soft_weight: float = 0.0,
     batch_size: int = 32,
     seed: int = 0,
     threads: int = 2,
 ) -> nn.Module:
-    """Adam with a cosine schedule; with `teacher_logits`, the loss mixes KL to the softened teacher (Hinton et al.) and cross-entropy."""
-    torch.manual_seed(seed)
+    """Adam with a cosine schedule and random shifts; with a `teacher` (preprocessed images -> logits), the loss mixes
+    the KL divergence to the softened teacher outputs on the same shifted batch (Hinton et al.) with cross-entropy."""
+    previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _train(model, data, epochs, lr, teacher, temperature, soft_weight, batch_size, seed)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train(model, data, epochs, lr, teacher, temperature, soft_weight, batch_size, seed):  # noqa: ANN001, ANN202 - see train()
+    torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
     steps = epochs * ((len(data.x) + batch_size - 1) // batch_size)
@@ -192,9 +201,11 @@ def train(
             xb = _shift(data.x[idx], gen)
             logits = model(xb)
             loss = F.cross_entropy(logits, data.y[idx])
-            if teacher_logits is not None and soft_weight > 0:
+            if teacher is not None and soft_weight > 0:
                 t = temperature
-                soft = F.kl_div(F.log_softmax(logits / t, 1), F.softmax(teacher_logits[idx] / t, 1), reduction="batchmean") * t * t
+                with torch.no_grad():  # the teacher sees the same shifted images as the student
+                    target = F.softmax(teacher(xb) / t, 1)
+                soft = F.kl_div(F.log_softmax(logits / t, 1), target, reduction="batchmean") * t * t
                 loss = soft_weight * soft + (1 - soft_weight) * loss
             opt.zero_grad()
             loss.backward()

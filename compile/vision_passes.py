@@ -17,7 +17,7 @@ from .loaders import Holdout, SourceModel
 from .report import PassReport
 from .spec import ChannelPruningSpec, StudentSpec
 from .verify import accuracy
-from .vision import TORCH, Images, to_float
+from .vision import ONNX, TORCH, Images, to_float
 
 
 def _train_data(source: SourceModel, train: Images):  # -> TrainData
@@ -26,6 +26,29 @@ def _train_data(source: SourceModel, train: Images):  # -> TrainData
     from .vision_models import TrainData
 
     return TrainData(to_float(source.image, train.X), torch.from_numpy(train.y))
+
+
+def teacher_logits(source: SourceModel):  # -> Callable[[torch.Tensor], torch.Tensor]
+    """The source model as a teacher: preprocessed float32 images -> logits (log-probabilities when it returns probabilities)."""
+    import torch
+
+    if source.family == ONNX:
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(source.model.SerializeToString(), providers=["CPUExecutionProvider"])
+        name = session.get_inputs()[0].name
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(np.asarray(session.run(None, {name: x.numpy()})[0], dtype=np.float32))
+    else:
+        model = source.model
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return model(x)
+
+    if source.image.source_output == "probabilities":
+        return lambda x: torch.log(torch.clamp(run(x), min=1e-12))  # a softmax of log p is p again
+    return run
 
 
 def parameters(model: Any) -> int | None:
@@ -63,7 +86,8 @@ def prune_channels(
     before_ft = accuracy(pruned.predict(holdout.X), holdout.y)
     from .vision_models import train as train_model
 
-    train_model(small, _train_data(source, train), spec.epochs, spec.learning_rate, threads=threads)
+    # Fine-tuned on the labels and on the unpruned model's outputs: the pruned network relearns what it lost from its own source.
+    train_model(small, _train_data(source, train), spec.epochs, spec.learning_rate, teacher=teacher_logits(source), soft_weight=spec.soft_weight, threads=threads)
     acc = accuracy(pruned.predict(holdout.X), holdout.y)
     drop = src_acc - acc
     report.source_quality, report.result_quality, report.quality_drop = src_acc, acc, drop
@@ -84,8 +108,6 @@ def distill_student(
     teacher: SourceModel, holdout: Holdout, train: Images | None, spec: StudentSpec, budget: float, threads: int
 ) -> tuple[SourceModel | None, PassReport]:
     """Train the project's SmallCNN with `spec.widths` on the teacher's softened outputs plus the labels; keep it within the budget."""
-    import torch
-
     from .vision_models import SmallCNN
     from .vision_models import train as train_model
 
@@ -94,12 +116,10 @@ def distill_student(
         report.reason = "distillation needs labelled training images: set `train_images` in the spec"
         return None, report
     t0 = time.perf_counter()
-    # log-probabilities are the teacher's logits up to a per-image constant, which a softmax ignores.
-    teacher_logits = torch.from_numpy(np.log(np.clip(teacher.predict(train.X), 1e-12, None)).astype(np.float32))
     image = teacher.image.model_copy(update={"source_output": "logits"})
     student = SmallCNN(int(teacher.n_classes or 0), image.channels, spec.widths)
     train_model(
-        student, _train_data(teacher, train), spec.epochs, spec.learning_rate, teacher_logits=teacher_logits,
+        student, _train_data(teacher, train), spec.epochs, spec.learning_rate, teacher=teacher_logits(teacher),
         temperature=spec.temperature, soft_weight=spec.soft_weight, threads=threads,
     )
     distilled = SourceModel(
