@@ -42,6 +42,9 @@ def diagnose(
     ranking_model: str = typer.Option("ranking_xgb", help="Demo traffic: ranking model name in Triton."),
     users: Optional[int] = typer.Option(None, help="Demo traffic: sample user ids from 1..USERS (default 5000)."),
     items: Optional[int] = typer.Option(None, help="Demo traffic: sample item ids from 1..ITEMS (default 2000)."),
+    metrics_port: Optional[int] = typer.Option(
+        None, "--metrics-port", min=0, max=65535, help="Demo traffic: serve its request-phase and feature-fetch metrics at http://127.0.0.1:PORT/metrics while it runs."
+    ),
     tls_dir: Optional[Path] = typer.Option(
         None, "--tls-dir", envvar="SCORESTACK_TLS_DIR", help="Talk gRPC over TLS with the CA (and client certificate for mutual TLS) in DIR."
     ),
@@ -64,7 +67,7 @@ def diagnose(
 
     # No wrapping: messages stay one line each, for logs and for whoever reads them by line.
     err = Console(stderr=True, soft_wrap=True)
-    demo_flags = {"--feature-repo": feature_repo, "--fraud-requests": fraud_requests, "--ranking-requests": ranking_requests, "--candidates": candidates, "--users": users, "--items": items}
+    demo_flags = {"--metrics-port": metrics_port, "--feature-repo": feature_repo, "--fraud-requests": fraud_requests, "--ranking-requests": ranking_requests, "--candidates": candidates, "--users": users, "--items": items}
     active_flags = {"--rows": rows, "--requests": requests, "--concurrency": concurrency, "--rate": rate}
     passive = window is not None or client_metrics is not None
     replaying = not passive and (bool(models) or rows is not None)
@@ -95,6 +98,7 @@ def diagnose(
             _demo(
                 url, feature_repo, fraud_model, ranking_model, tls, json_out, err,
                 fraud_requests=fraud_requests, ranking_requests=ranking_requests, candidates=candidates, users=users, items=items,
+                metrics_port=metrics_port,
             )  # fmt: skip
             return
     except ScorestackError as exc:
@@ -131,7 +135,7 @@ async def _replay_all(target, rows: Path | None, requests: int, concurrency: int
     return out
 
 
-def _demo(url: str, feature_repo: Path | None, fraud_model: str, ranking_model: str, tls, json_out: bool, err, **counts) -> None:  # noqa: ANN001
+def _demo(url: str, feature_repo: Path | None, fraud_model: str, ranking_model: str, tls, json_out: bool, err, metrics_port: int | None = None, **counts) -> None:  # noqa: ANN001
     """The demo's fraud and ranking traffic through the demo services (what `scorestack demo` and the compose demo run)."""
     from dataclasses import asdict
 
@@ -145,16 +149,28 @@ def _demo(url: str, feature_repo: Path | None, fraud_model: str, ranking_model: 
     n = {k: counts.get(k) if counts.get(k) is not None else v for k, v in _DEMO_DEFAULTS.items()}
     repo = feature_repo or paths.workspace() / "feature_repo"
     err.print("no --model, --rows or --window: sending the demo's fraud and ranking traffic (--window S watches your own traffic)")
+    registry = http = None
+    if metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from scorestack.client.metrics import serve
+
+        registry = CollectorRegistry()
+        http, _ = serve(metrics_port, registry)
+        err.print(f"request metrics at http://127.0.0.1:{http.server_port}/metrics while the traffic runs")
     try:
         result = asyncio.run(
             run_diagnosis(
                 url, repo, n["fraud_requests"], n["ranking_requests"], n["candidates"],
-                fraud_model=fraud_model, ranking_model=ranking_model, n_users=n["users"], n_items=n["items"], tls=tls,
+                fraud_model=fraud_model, ranking_model=ranking_model, n_users=n["users"], n_items=n["items"], tls=tls, registry=registry,
             )  # fmt: skip
         )
     except ScorestackError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(1)
+    finally:
+        if http is not None:
+            http.shutdown()
     if json_out:
         print(json.dumps({"mode": "demo", "url": url, "services": [asdict(b) for b in result]}, indent=1))
         return

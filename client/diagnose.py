@@ -240,12 +240,17 @@ async def run_diagnosis(
     n_items: int = 2000,
     tls: ClientTls | None = None,
     admin_key: AdminKey | None = None,
+    registry: Any = None,
 ) -> list[Breakdown]:
     """Send demo fraud and ranking traffic through the real services and break down where time went.
 
     Reading Triton's statistics needs the admin key on a restricted server: `admin_key`, else
     $SCORESTACK_ADMIN_KEY / $SCORESTACK_ADMIN_KEY_FILE. TLS: `tls`, else $SCORESTACK_TLS_DIR.
+    With a prometheus `registry`, the requests' phases (client/metrics.py) and the fetch layer's
+    metrics are recorded in it, for whoever serves it.
     """
+    from scorestack.client.metrics import RequestMetrics
+
     import numpy as np
 
     from scorestack import demo_data
@@ -260,21 +265,29 @@ async def run_diagnosis(
     key = load_admin_key(admin_key)
     tls = tls or ClientTls.from_env()
     async with TritonClient(grpc_url, deadline_s=2.0, tls=tls, admin_key=key) as triton:
-        async with FeatureFetcher.from_repo(feature_repo, timeout_s=0.05) as fetcher:
+        async with FeatureFetcher.from_repo(feature_repo, timeout_s=0.05, **({"registry": registry} if registry is not None else {})) as fetcher:
             fraud = FraudService(triton, fetcher, model=fraud_model)
             ranking = RankingService(triton, fetcher, model=ranking_model)
+            fraud_metrics = RequestMetrics(registry, service="fraud", model=fraud_model) if registry is not None else None
+            ranking_metrics = RequestMetrics(registry, service="ranking", model=ranking_model) if registry is not None else None
 
             def fraud_request(i: int) -> dict:
                 row = {k: float(v) for k, v in fraud_fields.iloc[i].items()}
                 return {"user_id": int(rng.integers(1, n_users + 1)), **row}
 
             async def send_fraud(i: int):
-                return await fraud.score(fraud_request(i))
+                result = await fraud.score(fraud_request(i))
+                if fraud_metrics is not None:
+                    fraud_metrics.observe(result.timings_ms)
+                return result
 
             async def send_ranking(i: int):
                 items = rng.choice(np.arange(1, n_items + 1), n_candidates, replace=False).tolist()
                 ctx = {k: float(v) for k, v in context.iloc[i].items()}
-                return await ranking.rank(int(rng.integers(1, n_users + 1)), items, ctx)
+                result = await ranking.rank(int(rng.integers(1, n_users + 1)), items, ctx)
+                if ranking_metrics is not None:
+                    ranking_metrics.observe(result.timings_ms)
+                return result
 
             b1 = await measure(triton, "fraud", fraud_model, send_fraud, n_fraud)
             b2 = await measure(triton, "ranking", ranking_model, send_ranking, n_ranking)
@@ -484,6 +497,16 @@ async def _ready_models(triton: TritonClient, stats: Mapping[str, ModelStats]) -
     return ready
 
 
+def client_named_phases(means: Mapping[str, float]) -> dict[str, float]:
+    """The client's own phases on the critical path: every timed phase but the Triton call (`infer`,
+    split with Triton's statistics), `total`, and the fetch's own duration when the request's wait
+    for it (`features_wait`) is known: the fetch overlaps validation, the wait does not."""
+    out = {p: ms for p, ms in means.items() if p not in ("infer", "total", "features", "features_wait")}
+    if "features_wait" in means or "features" in means:
+        out["features"] = means.get("features_wait", means.get("features", 0.0))
+    return out
+
+
 def save_profile(path: Path, deltas: Sequence[ModelStats]) -> Path:
     """The window's statistics in Triton's JSON shape: `scorestack compile --batch-profile` reads them."""
     import json
@@ -587,7 +610,7 @@ async def watch(
                 continue
             for service, means, count in sides:
                 client = ClientSide(service, count, means, triton_calls_per_request=delta.success.count / max(count, 1))
-                named = {"validate": means.get("validate", 0.0), "features": means.get("features_wait", 0.0), "assemble": means.get("assemble", 0.0)}
+                named = client_named_phases(means)
                 out.append(diagnose_model("client-metrics", delta, window, ctx, client=client, client_phases=named, failures=failures))
         return out
 

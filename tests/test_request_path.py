@@ -397,3 +397,15 @@ def test_diagnose_command_against_running_stack(triton, feature_repo):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Where the time goes" in out.stdout
     assert "diagnosis fraud:" in out.stdout and "diagnosis ranking:" in out.stdout
+    # The same demo traffic as JSON, with its request-phase metrics served while it runs.
+    out = subprocess.run(
+        [str(exe), "diagnose", "--url", triton.grpc_url, "--feature-repo", str(feature_repo), "--fraud-requests", "12",
+         "--ranking-requests", "3", "--candidates", "20", "--users", str(N_USERS), "--items", str(N_ITEMS), "--json", "--metrics-port", "0"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "request metrics at http://127.0.0.1:" in out.stderr
+    import json
+
+    doc = json.loads(out.stdout)
+    assert doc["mode"] == "demo" and [(s["service"], s["requests"]) for s in doc["services"]] == [("fraud", 12), ("ranking", 3)]
