@@ -117,7 +117,7 @@ def diagnose(
 async def _replay_all(target, rows: Path | None, requests: int, concurrency: int, rate: float | None, rows_per_request: int, err) -> list:  # noqa: ANN001
     from rich.markup import escape
 
-    from scorestack.client import diagnose as dg
+    from scorestack.client import replay as rp
     from scorestack.paths import default_repository
 
     models = list(target.models)
@@ -126,12 +126,12 @@ async def _replay_all(target, rows: Path | None, requests: int, concurrency: int
     out = []
     for model in models:
         if rows is not None:
-            data, source = dg.load_rows(rows), str(rows)
+            data, source = rp.load_rows(rows), str(rows)
         else:
-            data, source = dg.holdout_rows(target.repository or default_repository(), model)
+            data, source = rp.holdout_rows(target.repository or default_repository(), model)
         mode = f"{rate:g} requests/s" if rate is not None else f"concurrency {concurrency}"
         err.print(escape(f"replaying {requests} requests of {rows_per_request} row(s) into {model} at {mode}, from {source}"))
-        out.append(await dg.replay(target, model, data, requests=requests, concurrency=concurrency, rate=rate, rows_per_request=rows_per_request))
+        out.append(await rp.replay(target, model, data, requests=requests, concurrency=concurrency, rate=rate, rows_per_request=rows_per_request))
     return out
 
 

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import numpy as np
 
 from scorestack.client.advice import OTHER_ADVICE, Decision, FeatureSide, ServedConfig, decide_compute, decide_features, decide_queue
-from scorestack.client.metrics import METRIC as REQUEST_METRIC
+from scorestack.client.metrics import Scrape
 from scorestack.client.server_stats import SERVER_PHASES, ModelStats, failures_by_reason, fetch_text, read_statistics
 from scorestack.client.triton import TritonClient
 from scorestack.errors import InferenceError
@@ -261,7 +261,7 @@ async def run_diagnosis(
 
     rng = np.random.default_rng(5)
     fraud_fields = demo_data.make_fraud_requests(n_fraud + 20, seed=99)
-    context = demo_data.make_ranking_context(n_ranking + 20, seed=98)
+    context = demo_data.make_rankingmodel_context(n_ranking + 20, seed=98)
     key = load_admin_key(admin_key)
     tls = tls or ClientTls.from_env()
     async with TritonClient(grpc_url, deadline_s=2.0, tls=tls, admin_key=key) as triton:
@@ -361,7 +361,7 @@ def _decision(
     dominant: str,
     share: float,
     stats: ModelStats,
-    ctx: "_Context",
+    ctx: "ModelContext",
     window_s: float,
     phases: Mapping[str, float],
 ) -> Decision:
@@ -377,7 +377,7 @@ def _decision(
 
 
 @dataclass(frozen=True)
-class _Context:
+class ModelContext:
     """What the decision may read about one model besides its statistics."""
 
     config: ServedConfig | None
@@ -395,7 +395,7 @@ def diagnose_model(
     mode: str,
     stats: ModelStats,
     window_s: float,
-    ctx: _Context,
+    ctx: ModelContext,
     *,
     client: ClientSide | None = None,
     client_phases: Mapping[str, float] | None = None,
@@ -459,7 +459,7 @@ def diagnose_model(
     )
 
 
-def _load_report(repository: Path, model: str) -> tuple[Any, Path, str | None]:
+def load_report(repository: Path, model: str) -> tuple[Any, Path, str | None]:
     """The model's compile report (<repository>/<model>/report.json), or None with the reason."""
     path = repository / model / "report.json"
     if not path.is_file():
@@ -528,17 +528,17 @@ class Target:
     tls: ClientTls | None = None
 
 
-def _open(target: Target) -> TritonClient:
+def open_client(target: Target) -> TritonClient:
     # The admin key comes from the environment only (serve.security.load_admin_key): never argv.
     return TritonClient(target.url, deadline_s=5.0, tls=target.tls or ClientTls.from_env(), admin_key=load_admin_key())
 
 
-async def _context(triton: TritonClient, target: Target, model: str, features: FeatureSide | None = None) -> _Context:
+async def model_context(triton: TritonClient, target: Target, model: str, features: FeatureSide | None = None) -> ModelContext:
     from scorestack.paths import default_repository
 
     repository = (target.repository or default_repository()).resolve()
-    report, report_path, problem = _load_report(repository, model)
-    return _Context(
+    report, report_path, problem = load_report(repository, model)
+    return ModelContext(
         config=await _served_config(triton, model),
         report=report,
         report_path=report_path,
@@ -549,11 +549,11 @@ async def _context(triton: TritonClient, target: Target, model: str, features: F
     )
 
 
-def _failures(target: Target) -> dict[str, dict[str, int]] | None:
+def read_failures(target: Target) -> dict[str, dict[str, int]] | None:
     return None if target.metrics_url is None else failures_by_reason(fetch_text(target.metrics_url))
 
 
-def _failure_delta(before: dict[str, dict[str, int]] | None, after: dict[str, dict[str, int]] | None, model: str) -> dict[str, int] | None:
+def failure_delta(before: dict[str, dict[str, int]] | None, after: dict[str, dict[str, int]] | None, model: str) -> dict[str, int] | None:
     if before is None or after is None:
         return None
     b, a = before.get(model, {}), after.get(model, {})
@@ -573,7 +573,7 @@ async def watch(
 
     if window_s <= 0:
         raise ValueError(f"window: {window_s} s; give a positive number of seconds of live traffic to watch")
-    async with _open(target) as triton:
+    async with open_client(target) as triton:
         before = await read_statistics(triton, target.models or None)
         models = list(target.models) if target.models else await _ready_models(triton, before)
         if not models:
@@ -581,7 +581,7 @@ async def watch(
         missing = [m for m in models if m not in before]
         if missing:
             raise InferenceError(f"model(s) {missing} not served by Triton at {target.url}; it serves {sorted(before)}")
-        fail_before = _failures(target)
+        fail_before = read_failures(target)
         client_before = Scrape.read(client_metrics) if client_metrics else None
         started = time.monotonic()
         if on_start is not None:
@@ -590,20 +590,20 @@ async def watch(
         client_after = Scrape.read(client_metrics) if client_metrics else None
         after = await read_statistics(triton, models)
         window = time.monotonic() - started
-        fail_after = _failures(target)
+        fail_after = read_failures(target)
         deltas = [after[m] - before[m] for m in models]
         if target.stats_file is not None:
             save_profile(target.stats_file, deltas)
         out = []
         client_delta = client_after.minus(client_before) if client_after is not None and client_before is not None else None
         for delta in deltas:
-            failures = _failure_delta(fail_before, fail_after, delta.model)
+            failures = failure_delta(fail_before, fail_after, delta.model)
             if client_delta is None:
-                ctx = await _context(triton, target, delta.model)
+                ctx = await model_context(triton, target, delta.model)
                 out.append(diagnose_model("passive", delta, window, ctx, failures=failures))
                 continue
             sides = client_delta.request_phases(delta.model)
-            ctx = await _context(triton, target, delta.model, client_delta.feature_side())
+            ctx = await model_context(triton, target, delta.model, client_delta.feature_side())
             if not sides:
                 ctx = replace(ctx, notes=(*ctx.notes, f"the client metrics at {client_metrics} have no requests to {delta.model!r} in the window"))
                 out.append(diagnose_model("passive", delta, window, ctx, failures=failures))
@@ -613,166 +613,6 @@ async def watch(
                 named = client_named_phases(means)
                 out.append(diagnose_model("client-metrics", delta, window, ctx, client=client, client_phases=named, failures=failures))
         return out
-
-
-@dataclass(frozen=True)
-class Scrape:
-    """One reading of a Prometheus text endpoint: (sample name, labels) -> value."""
-
-    url: str
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-    @classmethod
-    def read(cls, url: str) -> "Scrape":
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = fetch_text(url)
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
-        return cls(url, samples)
-
-    def minus(self, before: "Scrape") -> "Scrape":
-        return Scrape(self.url, {k: v - before.samples.get(k, 0.0) for k, v in self.samples.items()})
-
-    def _select(self, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
-        out = []
-        for (n, lbl), v in self.samples.items():
-            d = dict(lbl)
-            if n == name and all(d.get(k) == v2 for k, v2 in labels.items()):
-                out.append((d, v))
-        return out
-
-    def request_phases(self, model: str) -> list[tuple[str, dict[str, float], int]]:
-        """Per service calling `model`: (service, mean ms per phase, requests), from the request-path
-        histograms (client/metrics.py) over the window."""
-        sums: dict[str, dict[str, float]] = {}
-        counts: dict[str, dict[str, float]] = {}
-        for labels, v in self._select(f"{REQUEST_METRIC}_sum", model=model):
-            sums.setdefault(labels["service"], {})[labels["phase"]] = v
-        for labels, v in self._select(f"{REQUEST_METRIC}_count", model=model):
-            counts.setdefault(labels["service"], {})[labels["phase"]] = v
-        out = []
-        for service, by_phase in sorted(counts.items()):
-            n = int(round(by_phase.get("total", 0.0)))
-            if n <= 0:
-                continue
-            means = {p: sums[service].get(p, 0.0) * 1e3 / n for p, c in by_phase.items() if c > 0}
-            out.append((service, means, n))
-        return out
-
-    def feature_side(self) -> FeatureSide | None:
-        """The fetch layer's metrics (features/metrics.py), when the service exports them on the same endpoint."""
-        reads: dict[str, tuple[int, float]] = {}
-        for labels, n in self._select("scorestack_feature_store_read_seconds_count"):
-            if n > 0:
-                total_s = sum(v for l2, v in self._select("scorestack_feature_store_read_seconds_sum", backend=labels["backend"]))
-                reads[labels["backend"]] = (int(n), total_s * 1e3 / n)
-        if not reads:
-            return None
-        hits = int(sum(v for _, v in self._select("scorestack_feature_cache_hits_total")))
-        misses = int(sum(v for _, v in self._select("scorestack_feature_cache_misses_total")))
-        co_n = sum(v for _, v in self._select("scorestack_feature_coalesced_requests_count"))
-        co_sum = sum(v for _, v in self._select("scorestack_feature_coalesced_requests_sum"))
-        return FeatureSide(reads, hits, misses, co_sum / co_n if co_n else None)
-
-
-def holdout_rows(repository: Path, model: str) -> tuple[np.ndarray, str]:
-    """The held-out rows `<repository>/<model>/report.json` points to (its spec's `holdout`), with where they came from."""
-    from scorestack.compile.spec import load_spec
-    from scorestack.errors import SpecError
-
-    report, path, problem = _load_report(repository.resolve(), model)
-    if report is None:
-        raise SpecError(problem or f"model {model!r}: no compile report at {path} to find its held-out rows; pass --rows FILE.npz (array X) or --repository")
-    spec = load_spec(report.spec)
-    return load_rows(spec.holdout), f"{spec.holdout} (held-out rows of {report.spec})"
-
-
-def load_rows(path: str | Path) -> np.ndarray:
-    """Array `X` of a .npz file, as the rows to replay."""
-    from scorestack.errors import SpecError
-
-    try:
-        with np.load(Path(path)) as data:
-            if "X" not in data:
-                raise SpecError(f"--rows {path}: no array X (it has {sorted(data.files)}); save rows with np.savez(path, X=rows)")
-            rows = np.asarray(data["X"])
-    except (OSError, ValueError) as exc:
-        raise SpecError(f"--rows {path}: not a readable .npz file ({exc})") from exc
-    if rows.ndim < 2 or len(rows) == 0:
-        raise SpecError(f"--rows {path}: X has shape {list(rows.shape)}; expected rows x features")
-    return rows
-
-
-async def replay(
-    target: Target,
-    model: str,
-    rows: np.ndarray,
-    *,
-    requests: int = 500,
-    concurrency: int = 1,
-    rate: float | None = None,
-    rows_per_request: int = 1,
-    warmup: int = 10,
-) -> Diagnosis:
-    """Active: send `requests` requests of `rows_per_request` rows each, cycling through `rows`, at
-    `concurrency` in flight (closed loop) or at `rate` requests/s (open loop), and diagnose the window."""
-    import time
-
-    if requests <= 0 or concurrency <= 0 or rows_per_request <= 0 or (rate is not None and rate <= 0):
-        raise ValueError("requests, concurrency, rows per request and rate must be positive")
-    async with _open(target) as triton:
-        info = await triton.model_info(model)
-        if len(info.inputs) != 1:
-            raise InferenceError(f"model {model!r} takes {len(info.inputs)} inputs; replay sends one tensor of rows")
-        tensor = info.inputs[0]
-        x = rows.astype(tensor.dtype, copy=False)
-
-        def batch(i: int) -> np.ndarray:
-            idx = (np.arange(rows_per_request) + i * rows_per_request) % len(x)
-            return np.ascontiguousarray(x[idx])
-
-        for i in range(warmup):
-            await triton.infer(model, {tensor.name: batch(i)})
-        fail_before = _failures(target)
-        before = (await read_statistics(triton, [model]))[model]
-        latencies: list[float] = []
-        errors: dict[str, int] = {}
-        sem = asyncio.Semaphore(concurrency if rate is None else max(concurrency, 1024))
-        started = time.monotonic()
-
-        async def one(i: int) -> None:
-            if rate is not None:
-                await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
-            async with sem:
-                t = time.perf_counter()
-                try:
-                    await triton.infer(model, {tensor.name: batch(warmup + i)})
-                except InferenceError as exc:
-                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-                    return
-                latencies.append((time.perf_counter() - t) * 1e3)
-
-        await asyncio.gather(*(one(i) for i in range(requests)))
-        await asyncio.sleep(0.05)  # statistics are updated as responses are released
-        after = (await read_statistics(triton, [model]))[model]
-        window = time.monotonic() - started
-        delta = after - before
-        if target.stats_file is not None:
-            save_profile(target.stats_file, [delta])
-        if not latencies:
-            raise InferenceError(f"model {model!r}: all {requests} replayed requests failed: {errors}")
-        lat = np.array(latencies)
-        client = ClientSide(
-            "replay", len(lat), {"infer": float(lat.mean()), "total": float(lat.mean())},
-            float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), delta.success.count / len(lat),
-        )  # fmt: skip
-        ctx = await _context(triton, target, model)
-        if errors:
-            ctx = replace(ctx, notes=(*ctx.notes, f"{sum(errors.values())} of {requests} requests failed: {errors}"))
-        return diagnose_model("replay", delta, window, ctx, client=client, client_phases={}, failures=_failure_delta(fail_before, _failures(target), model))
 
 
 def to_json(diagnoses: Sequence[Diagnosis], **extra: Any) -> dict[str, Any]:

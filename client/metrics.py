@@ -1,6 +1,6 @@
-"""Per-phase latency histograms of the request paths, exported with prometheus-client.
+"""Per-phase latency histograms of the request paths: exported with prometheus-client, and read back.
 
-`scorestack diagnose --client-metrics URL` scrapes them and joins them with Triton's statistics.
+`scorestack diagnose --client-metrics URL` scrapes them (`Scrape`) and joins them with Triton's statistics.
 
     registry = CollectorRegistry()
     metrics = RequestMetrics(registry, service="fraud", model="fraud_xgb")
@@ -14,10 +14,13 @@ from __future__ import annotations
 import re
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Mapping
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
+from scorestack.client.advice import FeatureSide
+from scorestack.client.server_stats import fetch_text
 from scorestack.features.metrics import in_process_values
 
 METRIC = "scorestack_request_phase_seconds"
@@ -100,3 +103,66 @@ def serve(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1"):  # n
     Binds loopback by default (metrics name services and models); stop with `server.shutdown()`.
     """
     return start_http_server(port, addr=addr, registry=registry)
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One reading of a Prometheus text endpoint: (sample name, labels) -> value."""
+
+    url: str
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+    @classmethod
+    def read(cls, url: str) -> "Scrape":
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = fetch_text(url)
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+        return cls(url, samples)
+
+    def minus(self, before: "Scrape") -> "Scrape":
+        return Scrape(self.url, {k: v - before.samples.get(k, 0.0) for k, v in self.samples.items()})
+
+    def _select(self, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+        out = []
+        for (n, lbl), v in self.samples.items():
+            d = dict(lbl)
+            if n == name and all(d.get(k) == v2 for k, v2 in labels.items()):
+                out.append((d, v))
+        return out
+
+    def request_phases(self, model: str) -> list[tuple[str, dict[str, float], int]]:
+        """Per service calling `model`: (service, mean ms per phase, requests), from the request-path
+        histograms (client/metrics.py) over the window."""
+        sums: dict[str, dict[str, float]] = {}
+        counts: dict[str, dict[str, float]] = {}
+        for labels, v in self._select(f"{METRIC}_sum", model=model):
+            sums.setdefault(labels["service"], {})[labels["phase"]] = v
+        for labels, v in self._select(f"{METRIC}_count", model=model):
+            counts.setdefault(labels["service"], {})[labels["phase"]] = v
+        out = []
+        for service, by_phase in sorted(counts.items()):
+            n = int(round(by_phase.get("total", 0.0)))
+            if n <= 0:
+                continue
+            means = {p: sums[service].get(p, 0.0) * 1e3 / n for p, c in by_phase.items() if c > 0}
+            out.append((service, means, n))
+        return out
+
+    def feature_side(self) -> FeatureSide | None:
+        """The fetch layer's metrics (features/metrics.py), when the service exports them on the same endpoint."""
+        reads: dict[str, tuple[int, float]] = {}
+        for labels, n in self._select("scorestack_feature_store_read_seconds_count"):
+            if n > 0:
+                total_s = sum(v for l2, v in self._select("scorestack_feature_store_read_seconds_sum", backend=labels["backend"]))
+                reads[labels["backend"]] = (int(n), total_s * 1e3 / n)
+        if not reads:
+            return None
+        hits = int(sum(v for _, v in self._select("scorestack_feature_cache_hits_total")))
+        misses = int(sum(v for _, v in self._select("scorestack_feature_cache_misses_total")))
+        co_n = sum(v for _, v in self._select("scorestack_feature_coalesced_requests_count"))
+        co_sum = sum(v for _, v in self._select("scorestack_feature_coalesced_requests_sum"))
+        return FeatureSide(reads, hits, misses, co_sum / co_n if co_n else None)

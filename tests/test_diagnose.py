@@ -364,3 +364,38 @@ def test_compute_decision_prints_a_recompile_command_the_compiler_accepts(deploy
     recompiled = CompileReport.model_validate_json((own_repo / MODEL / "report.json").read_text())
     assert recompiled.batch_profile is not None and recompiled.batch_profile.executions == {"1": 400}
     assert recompiled.batch_profile.requests == 400
+
+
+def test_queue_and_feature_rules_turn_measurements_into_settings(deployment):
+    """The queue and feature rules on the served model's real config and hand-made windows of traffic."""
+    from scorestack.client.advice import FeatureSide, ServedConfig, decide_features, decide_queue
+    from scorestack.client.server_stats import Duration, ModelStats
+
+    server, _, _ = deployment
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        config = ServedConfig.from_json(client.get_model_config(MODEL, as_json=True, client_timeout=10))
+    finally:
+        client.close()
+    delay = config.max_queue_delay_us
+    assert config.max_batch_size == 64 and delay is not None and delay > 0 and config.instances >= 1
+
+    # Lone requests waiting out the batcher's delay: batches of 1, queue ~ the delay -> lower it to 0.
+    lone = ModelStats(MODEL, success=Duration(1000, 1000 * 400_000), queue=Duration(1000, 1000 * delay * 1000),
+                      compute_infer=Duration(1000, 1000 * 100_000), inference_count=1000, execution_count=1000, batches={1: 1000})  # fmt: skip
+    d = decide_queue(0.6, lone, config, 10.0, delay / 1e3)
+    assert d.technique == f"lower max_queue_delay_microseconds from {delay} to 0" and "1.0 rows" in d.detail
+
+    # Full batches and a queue 20x the delay: the instances are the bottleneck -> one more.
+    busy = ModelStats(MODEL, success=Duration(64_000, 0), queue=Duration(64_000, 0), compute_infer=Duration(64_000, 64_000 * 5_000_000),
+                      inference_count=64_000, execution_count=1000, batches={64: 1000})  # fmt: skip
+    d = decide_queue(0.7, busy, config, 10.0, 20 * delay / 1e3)
+    assert d.technique.startswith(f"add instances (instance_group count {config.instances} -> {config.instances + 1})")
+    assert "64.0 rows" in d.detail
+
+    reads = {"direct": (500, 1.8)}
+    assert "direct Redis reader instead of feast_async" in decide_features(0.5, 2.0, FeatureSide({"feast_async": (500, 2.5)}, 0, 0, 1.0), 1.0).technique
+    assert "cache_ttl_s" in decide_features(0.5, 2.0, FeatureSide(reads, 10, 90, 1.0), 1.0).technique
+    assert "coalesce" in decide_features(0.5, 2.0, FeatureSide(reads, 90, 10, 1.0), 8.0).technique
+    alone = decide_features(0.5, 2.0, FeatureSide(reads, 90, 10, 1.0), 0.2)  # nothing overlaps: nothing to coalesce
+    assert "store round trip" in alone.technique and "too few to coalesce" in alone.detail
