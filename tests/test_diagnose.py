@@ -31,6 +31,7 @@ from scorestack.serve import LocalTriton
 MODEL = "acme_risk"  # not a demo model: trained and compiled by this test
 EXE = str(Path(sys.executable).parent / "scorestack")
 PASSIVE_REQUESTS = 600
+REJECTED = 25  # more requests, sent with a 1 µs queue timeout: Triton's queue policy rejects them
 FRAUD_REQUESTS = 200
 WINDOW_S = 12.0  # long enough to hold all the traffic on a busy 2-core host; asserted below
 
@@ -99,6 +100,7 @@ CLIENT = textwrap.dedent(
     import asyncio, sys
     import numpy as np
     import tritonclient.grpc.aio as grpc
+    from tritonclient.utils import InferenceServerException
 
     async def main(url, model, holdout, n, concurrency):
         client = grpc.InferenceServerClient(url)
@@ -115,9 +117,19 @@ CLIENT = textwrap.dedent(
 
         sys.stdin.readline()  # "go": diagnose is watching
         await asyncio.gather(*(one(i) for i in range(n)))
+        # Requests that allow 1 µs in the queue: Triton's queue policy rejects each (the batcher waits longer).
+        rejected = 0
+        for i in range(REJECTED):
+            inp = grpc.InferInput("features", [1, X.shape[1]], "FP32")
+            inp.set_data_from_numpy(X[i : i + 1])
+            try:
+                await client.infer(model, [inp], client_timeout=30, timeout=1)
+            except InferenceServerException as exc:
+                rejected += "timeout expired" in exc.message()
         await client.close()
-        print("sent", n, flush=True)
+        print("sent", n, "rejected", rejected, flush=True)
 
+    REJECTED = int(sys.argv[6])
     asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
     """
 )
@@ -126,7 +138,7 @@ CLIENT = textwrap.dedent(
 def test_passive_diagnosis_of_a_user_model_adds_up_to_tritons_statistics(deployment, tmp_path):
     server, repo, root = deployment
     client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT, server.grpc_url, MODEL, str(root / "holdout.npz"), str(PASSIVE_REQUESTS), "8"],
+        [sys.executable, "-c", CLIENT, server.grpc_url, MODEL, str(root / "holdout.npz"), str(PASSIVE_REQUESTS), "8", str(REJECTED)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     stats_file = tmp_path / "stats.json"
@@ -139,7 +151,7 @@ def test_passive_diagnosis_of_a_user_model_adds_up_to_tritons_statistics(deploym
         client.stdin.write("go\n")
         client.stdin.flush()
         out, err = client.communicate(timeout=120)
-        assert client.returncode == 0 and f"sent {PASSIVE_REQUESTS}" in out, err
+        assert client.returncode == 0 and f"sent {PASSIVE_REQUESTS} rejected {REJECTED}" in out, err
         assert diagnose.poll() is None, "the client's traffic outlasted the diagnosis window: raise WINDOW_S"
         doc = _finish(diagnose)
     finally:
@@ -152,7 +164,8 @@ def test_passive_diagnosis_of_a_user_model_adds_up_to_tritons_statistics(deploym
     assert d["model"] == MODEL and d["mode"] == "passive" and d["client"] is None
     # Every request of the window, exactly as Triton counted them.
     assert d["requests"] == triton.success.count == PASSIVE_REQUESTS
-    assert d["failed"] == 0 and d["rejected"] == 0
+    # The queue policy's rejections, by Triton's reason (from its /metrics).
+    assert d["failed"] == triton.fail.count == REJECTED == d["rejected"] and d["failures"] == {"REJECTED": REJECTED}
     assert d["rows"] == triton.inference_count == sum(1 + i % 4 for i in range(PASSIVE_REQUESTS))
     assert {int(b): n for b, n in d["batch_sizes"].items()} == dict(triton.batches)
     assert sum(int(b) * n for b, n in d["batch_sizes"].items()) == d["rows"]
