@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -29,6 +30,7 @@ from scorestack.compile import compile_model
 from scorestack.serve import LocalTriton
 
 MODEL = "acme_risk"  # not a demo model: trained and compiled by this test
+CACHED = "acme_cached"  # the same, served with Triton's response cache
 EXE = str(Path(sys.executable).parent / "scorestack")
 PASSIVE_REQUESTS = 600
 REJECTED = 25  # more requests, sent with a 1 µs queue timeout: Triton's queue policy rejects them
@@ -61,14 +63,19 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, server_environment):
     # No serving check inside the compile: the test serves the model itself right below.
     report = compile_model(spec_path, repo, serve_check=False)
     assert report.selected.format in ("onnx", "native", "dispatch")
+    # The same model once more with Triton's response cache on (the compiler never turns it on).
+    shutil.copytree(repo / MODEL, repo / CACHED)
+    config = repo / CACHED / "config.pbtxt"
+    text = config.read_text().replace(f'name: "{MODEL}"', f'name: "{CACHED}"', 1)
+    config.write_text(text + "response_cache {\n  enable: true\n}\n")
     with LocalTriton(repo, server_env=server_environment) as server:
         yield server, repo, root
 
 
-def _stats(server: LocalTriton):
+def _stats(server: LocalTriton, model: str = MODEL):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        return parse_statistics(client.get_inference_statistics(MODEL, as_json=True, client_timeout=10))[MODEL]
+        return parse_statistics(client.get_inference_statistics(model, as_json=True, client_timeout=10))[model]
     finally:
         client.close()
 
@@ -335,8 +342,10 @@ def test_restricted_statistics_take_the_admin_key_from_the_environment_only(depl
         assert refused.returncode == 1 and ADMIN_KEY_ENV in refused.stderr and key.value not in refused.stderr
         out = _run(args, env={**env, ADMIN_KEY_ENV: key.value})
         assert out.returncode == 0, out.stderr
-        (d,) = json.loads(out.stdout)["models"]  # every ready model: the one served
-        assert d["model"] == MODEL and d["requests"] == 0 and d["decision"]["phase"] == "none"
+        by_model = {d["model"]: d for d in json.loads(out.stdout)["models"]}  # every ready model
+        assert set(by_model) == {MODEL, CACHED}
+        d = by_model[MODEL]
+        assert d["requests"] == 0 and d["decision"]["phase"] == "none"
         assert key.value not in out.stdout + out.stderr
 
 
@@ -412,3 +421,28 @@ def test_queue_and_feature_rules_turn_measurements_into_settings(deployment):
     assert "coalesce" in decide_features(0.5, 2.0, FeatureSide(reads, 90, 10, 1.0), 8.0).technique
     alone = decide_features(0.5, 2.0, FeatureSide(reads, 90, 10, 1.0), 0.2)  # nothing overlaps: nothing to coalesce
     assert "store round trip" in alone.technique and "too few to coalesce" in alone.detail
+
+
+def test_response_cache_hits_are_counted_and_their_time_named(deployment):
+    server, repo, root = deployment
+    X = np.load(root / "holdout.npz")["X"].astype(np.float32)
+    before = _stats(server, CACHED)
+    diagnose = _start_diagnose(["--url", server.grpc_url, "--model", CACHED, "--window", "6", "--repository", str(repo)])
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        for i in range(100):  # 10 distinct rows, each sent 10 times, one at a time: 10 misses, 90 hits
+            inp = grpcclient.InferInput("features", [1, X.shape[1]], "FP32")
+            inp.set_data_from_numpy(X[i % 10 : i % 10 + 1])
+            client.infer(CACHED, [inp], client_timeout=30)
+        assert diagnose.poll() is None, "the traffic outlasted the diagnosis window"
+        doc = _finish(diagnose)
+    finally:
+        client.close()
+        if diagnose.poll() is None:
+            diagnose.kill()
+    triton = _stats(server, CACHED) - before
+    (d,) = doc["models"]
+    assert d["requests"] == 100 and triton.cache_hit.count == 90 == d["cache_hits"] and d["cache_hit_rate"] == pytest.approx(0.9)
+    assert d["rows"] == 10 and d["executions"] == 10  # only the misses reached the model
+    assert d["phases_ms"]["cache"] == pytest.approx((triton.cache_hit.ns + triton.cache_miss.ns) / 100 / 1e6, rel=1e-9)
+    assert d["attributed_share"] == pytest.approx(sum(triton.phase_ns(p) for p in SERVER_PHASES) / triton.success.ns, rel=1e-9)
