@@ -38,6 +38,12 @@ FRAUD_REQUESTS = 200
 WINDOW_S = 12.0  # long enough to hold all the traffic on a busy 2-core host; asserted below
 
 
+@pytest.fixture(autouse=True)
+def _workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """diagnose saves its window's statistics under the workspace by default: keep them out of the tree."""
+    monkeypatch.setenv("SCORESTACK_WORKSPACE", str(tmp_path / "workspace"))
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory, server_environment):
     """A small XGBoost on the fraud feature layout, compiled into a repository of this test's own and served."""
@@ -270,6 +276,11 @@ def test_client_metrics_join_attributes_the_fraud_paths_latency(deployment, feat
         http.shutdown()
         loop.close()
 
+    import os
+
+    # By default the window's statistics are saved in the workspace, ready for --batch-profile.
+    assert doc["stats_file"] == str((Path(os.environ["SCORESTACK_WORKSPACE"]) / "diagnose-stats.json").resolve())
+    assert Path(doc["stats_file"]).is_file()
     (d,) = doc["models"]
     assert d["mode"] == "client-metrics" and d["client"]["service"] == "fraud"
     # The join sees exactly the fraud path's requests, on both sides.
