@@ -1,7 +1,7 @@
 """Where does the time go? Triton's per-model statistics (+ the client's phases) -> a breakdown and a decision.
 
 Any deployment: `watch` reads Triton's statistics over a window of live traffic and sends nothing;
-`replay` sends rows at a concurrency or rate; with the client's exported histograms
+`client/replay.py` sends rows at a concurrency or rate; with the client's exported histograms
 (client/metrics.py) the request path is diagnosed end to end. `run_diagnosis` sends the demo's
 traffic through the demo's fraud and ranking services (what `scorestack demo` runs).
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from scorestack.client.server_stats import SERVER_PHASES, ModelStats, failures_b
 from scorestack.client.triton import TritonClient
 from scorestack.errors import InferenceError
 from scorestack.serve.security import AdminKey, ClientTls, load_admin_key
+
+if TYPE_CHECKING:
+    from scorestack.compile.report import CompileReport
 
 ADVICE = {
     "features": "feature fetch dominates: cache slow-moving views, coalesce concurrent fetches, use the direct Redis reader for many entities (features/)",
@@ -381,7 +384,7 @@ class ModelContext:
     """What the decision may read about one model besides its statistics."""
 
     config: ServedConfig | None
-    report: Any  # CompileReport | None
+    report: "CompileReport | None"
     report_path: Path
     repository: Path
     stats_file: Path | None
@@ -459,7 +462,7 @@ def diagnose_model(
     )
 
 
-def load_report(repository: Path, model: str) -> tuple[Any, Path, str | None]:
+def load_report(repository: Path, model: str) -> "tuple[CompileReport | None, Path, str | None]":
     """The model's compile report (<repository>/<model>/report.json), or None with the reason."""
     path = repository / model / "report.json"
     if not path.is_file():
