@@ -264,7 +264,7 @@ async def run_diagnosis(
 
     rng = np.random.default_rng(5)
     fraud_fields = demo_data.make_fraud_requests(n_fraud + 20, seed=99)
-    context = demo_data.make_rankingmodel_context(n_ranking + 20, seed=98)
+    context = demo_data.make_ranking_context(n_ranking + 20, seed=98)
     key = load_admin_key(admin_key)
     tls = tls or ClientTls.from_env()
     async with TritonClient(grpc_url, deadline_s=2.0, tls=tls, admin_key=key) as triton:

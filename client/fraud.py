@@ -10,6 +10,7 @@ import numpy as np
 
 from scorestack import schema
 from scorestack.client.requests import ScoringPath, numeric_fields, record
+from scorestack.client.metrics import RequestMetrics
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import RequestValidationError
@@ -68,10 +69,11 @@ class FraudService(ScoringPath):
         deadline_s: float | None = None,
         writer: FeatureWriter | None = None,
         counter_update: CounterUpdate | None = VELOCITY_UPDATE,
+        metrics: RequestMetrics | None = None,
     ) -> None:
         if threshold is not None and not 0.0 <= threshold <= 1.0:
             raise RequestValidationError("threshold", f"must be within [0, 1], got {threshold}")
-        super().__init__(triton, fetcher, model=model, feature_names=feature_names, feature_service=feature_service, deadline_s=deadline_s)
+        super().__init__(triton, fetcher, model=model, feature_names=feature_names, feature_service=feature_service, deadline_s=deadline_s, metrics=metrics)
         self.threshold = threshold
         self.writer = writer
         self.counter_update = counter_update if writer is not None else None
@@ -118,7 +120,7 @@ class FraudService(ScoringPath):
             degraded_reason=features.reason,
             features=vector[0],
             feature_status={n: FeatureStatus(int(s)).name.lower() for n, s in zip(features.feature_names, features.status[0])},
-            timings_ms=timer.finish(),
+            timings_ms=self._finish(timer),
         )
 
     def _write_back(self, user: int | str, features, transaction: Mapping[str, Any], unwritten) -> None:

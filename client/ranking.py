@@ -10,6 +10,7 @@ import numpy as np
 
 from scorestack import limits, schema
 from scorestack.client.requests import ScoringPath, numeric_fields, record
+from scorestack.client.metrics import RequestMetrics
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import RequestValidationError
@@ -51,12 +52,13 @@ class RankingService(ScoringPath):
         max_candidates: int = DEFAULT_MAX_CANDIDATES,
         chunk_size: int | None = None,
         deadline_s: float | None = None,
+        metrics: RequestMetrics | None = None,
     ) -> None:
         if max_candidates > limits.MAX_CANDIDATES:
             raise RequestValidationError(
                 "max_candidates", f"{max_candidates} exceeds scorestack.limits.MAX_CANDIDATES ({limits.MAX_CANDIDATES}); raise it there"
             )
-        super().__init__(triton, fetcher, model=model, feature_names=feature_names, feature_service=feature_service, deadline_s=deadline_s)
+        super().__init__(triton, fetcher, model=model, feature_names=feature_names, feature_service=feature_service, deadline_s=deadline_s, metrics=metrics)
         self.max_candidates = max_candidates
         self.chunk_size = chunk_size
 
@@ -103,5 +105,5 @@ class RankingService(ScoringPath):
             degraded=features.degraded,
             degraded_reason=features.reason,
             chunks=len(chunks),
-            timings_ms=timer.finish(),
+            timings_ms=self._finish(timer),
         )

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from scorestack.client.timing import PhaseTimer
+    from scorestack.client.metrics import RequestMetrics
     from scorestack.client.triton import TritonClient
     from scorestack.features.fetch import FeatureFetcher
 
@@ -58,8 +59,10 @@ class ScoringPath:
         feature_names: Sequence[str],
         feature_service: str,
         deadline_s: float | None,
+        metrics: "RequestMetrics | None" = None,
     ) -> None:
         self.triton = triton
+        self.metrics = metrics  # per-phase histograms for `scorestack diagnose --client-metrics`
         self.fetcher = fetcher
         self.model = model
         self.feature_service = feature_service
@@ -68,6 +71,13 @@ class ScoringPath:
         self._store_cols, self._request_cols = column_plan(self.feature_names, fetcher.feature_names(feature_service), self.request_fields)
         # The join keys' Feast types decide what an id may be (scorestack.validation.entity_id).
         self.key_types: dict[str, str] = {k: t for k, t in fetcher.inputs(feature_service).items()}
+
+    def _finish(self, timer: "PhaseTimer") -> dict[str, float]:
+        """The request's phase timings, also observed into the exported histograms when there are any."""
+        timings = timer.finish()
+        if self.metrics is not None:
+            self.metrics.observe(timings)
+        return timings
 
     def entity_id(self, value: Any, key: str, field: str | None = None) -> int | str:
         """`value` checked as an id of join key `key` of the feature service (one rule everywhere)."""
