@@ -132,6 +132,38 @@ def bench_model(spec_path: Path, work: Path, rounds: int) -> dict:
     }
 
 
+def width_sweep(spec_path: Path, work: Path, rounds: int) -> list[dict]:
+    """Speed only: fp32 vs INT8 of SmallCNN at 1x, 2x and 4x the demo's widths (weights as initialized; the
+    calibration images set the INT8 scales). Shows where INT8 starts to pay on this CPU."""
+    from scorestack.compile.loaders import SourceModel
+    from scorestack.compile.vision_models import SmallCNN
+
+    spec = load_spec(spec_path)
+    X = load_holdout(spec.holdout, spec, spec_path.name).X
+    calibration = load_images(spec.calibration, spec, spec_path.name, "calibration", need_labels=False).X
+    out = []
+    for factor in (1, 2, 4):
+        torch.manual_seed(0)
+        model = SmallCNN(10, 1, [16 * factor, 32 * factor, 64 * factor]).eval()
+        sm = SourceModel(f"x{factor}", "image-classification", "torch-vision", model, spec.n_features, 10, image=spec.inputs.image)
+        fp32, _ = export_fp32(sm, work / f"x{factor}")
+        int8 = work / f"x{factor}" / "model-int8.onnx"
+        quantize_int8(fp32, int8, calibration)
+        runners = {k: OnnxRuntimeRunner(str(p), 1, {}, ["probabilities"]) for k, p in (("fp32", fp32), ("int8", int8))}
+        samples: dict[str, dict[int, list[float]]] = {k: {b: [] for b in BATCHES} for k in runners}
+        inputs = {b: np.ascontiguousarray(np.resize(X, (b, *X.shape[1:]))) for b in BATCHES}
+        rng, order = random.Random(factor), list(runners)
+        for _ in range(rounds):
+            rng.shuffle(order)
+            for k in order:
+                for b in BATCHES:
+                    samples[k][b] += _timer(lambda x, r=runners[k]: r.run([("images", x)]), inputs[b], 0.1)
+        lat = {k: {str(b): round(float(np.median(v[b])), 2) for b in BATCHES} for k, v in samples.items()}
+        out.append({"widths": model.widths, "parameters": parameters(model), "latency_us": lat,
+                    "int8_speedup": {str(b): round(lat["fp32"][str(b)] / lat["int8"][str(b)], 3) for b in BATCHES}})
+    return out
+
+
 def render(result: dict) -> str:
     lines = [
         "# Vision models: eager, ONNX fp32, INT8, pruned, distilled, pruned+INT8",
@@ -161,6 +193,12 @@ def render(result: dict) -> str:
         for name, p in m["passes"].items():
             lines.append(f"- {name}: {p['reason']}")
         lines.append("")
+    if result.get("width_sweep"):
+        lines += ["## INT8 against fp32 by width (SmallCNN, speed only)", "", "| widths | parameters | fp32 b1 µs | int8 b1 µs | fp32 b32 µs | int8 b32 µs | int8 speedup b1 | b32 |", "|---|---|---|---|---|---|---|---|"]
+        for w in result["width_sweep"]:
+            lat = w["latency_us"]
+            lines.append(f"| {w['widths']} | {w['parameters']:,} | {lat['fp32']['1']:.1f} | {lat['int8']['1']:.1f} | {lat['fp32']['32']:.1f} | {lat['int8']['32']:.1f} | {w['int8_speedup']['1']:.2f}x | {w['int8_speedup']['32']:.2f}x |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -181,10 +219,12 @@ def main() -> None:
         "duration_s": round(time.time() - started, 1),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "loadavg_before": load_before,
-        "loadavg_after": [round(v, 2) for v in os.getloadavg()],
         "rounds": args.rounds,
         "models": out,
+        "width_sweep": width_sweep(specs[0], work / "width_sweep", args.rounds),
     }
+    result["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
+    result["duration_s"] = round(time.time() - started, 1)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "vision.json").write_text(json.dumps(result, indent=2))
     (RESULTS / "vision.md").write_text(render(result))

@@ -14,7 +14,7 @@ from scorestack import schema
 
 from .loaders import SourceModel
 from .registry import Artifact, ConvertContext, Skip, register_converter
-from .vision import ONNX, VISION_FAMILIES, preprocess_module, served_module
+from .vision import ONNX, TORCHSCRIPT, VISION_FAMILIES, preprocess_module, served_module
 
 OPSET = 17  # what the Triton 24.11 image's ONNX Runtime (1.19.2) implements, and TensorRT 10 parses
 FP32_ARTIFACT = "model.onnx"
@@ -47,13 +47,29 @@ def _export_torch(source: SourceModel, path: Path) -> None:
         )
 
 
-def _export_onnx_source(source: SourceModel, path: Path) -> None:
+def _torchscript_graph(source: SourceModel, path: Path):  # -> onnx.ModelProto
+    """A TorchScript module as an ONNX graph on its own float32 [N, C, H, W] input (a ScriptModule cannot be
+    traced inside the preprocessing wrapper; exported alone, it joins the preprocessing like an ONNX source)."""
+    import onnx
+    import torch
+
+    image = source.image
+    example = torch.zeros((2, image.channels, image.height, image.width), dtype=torch.float32)
+    with torch.no_grad():
+        torch.onnx.export(
+            source.model, (example,), str(path), input_names=["x"], output_names=["y"],
+            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, opset_version=OPSET, dynamo=False,
+        )
+    return onnx.load(str(path))
+
+
+def _export_onnx_source(source: SourceModel, path: Path, model=None) -> None:  # noqa: ANN001 - an onnx.ModelProto
     """Prepend the preprocessing graph (exported from the same torch module) to the source ONNX graph and append the softmax."""
     import onnx
     import torch
     from onnx import compose, helper
 
-    model: onnx.ModelProto = source.model
+    model = source.model if model is None else model
     opset = max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     if len(model.graph.input) != 1 or len(model.graph.output) != 1:
         raise ValueError(f"the source graph has {len(model.graph.input)} inputs and {len(model.graph.output)} outputs; an image classifier takes one and returns one")
@@ -102,6 +118,8 @@ def export_fp32(source: SourceModel, workdir: Path) -> tuple[Path, list[str]]:
     raw = workdir / "exported.onnx"
     if source.family == ONNX:
         _export_onnx_source(source, raw)
+    elif source.family == TORCHSCRIPT:
+        _export_onnx_source(source, raw, _torchscript_graph(source, workdir / "torchscript.onnx"))
     else:
         _export_torch(source, raw)
     path = workdir / FP32_ARTIFACT

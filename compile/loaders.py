@@ -186,7 +186,7 @@ def _xgb_meta(booster: Any) -> tuple[str, int]:
 def load_source(spec: ModelSpec, source: str) -> SourceModel:
     """Load the spec's model file (refusing unpickling unless trusted) and check it matches the spec."""
     fmt, path = spec.source.format, spec.source.path
-    if spec.is_vision or fmt in ("torch-module", "torchscript", "onnx"):
+    if spec.is_vision or fmt in ("torch-module", "torchscript", "onnx-model"):
         if not spec.is_vision:
             raise SpecError(f"spec {source}: field `task`: a {fmt} source is an image model; set `task: image-classification` (tabular models come as xgboost-json, xgboost-ubj, joblib or pickle)")
         from .vision import load_vision_source

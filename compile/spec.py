@@ -14,11 +14,11 @@ from scorestack.errors import SpecError
 
 Task = Literal["binary", "multiclass", "regression", "ranking", "image-classification"]
 # torch-module: a state dict (`path`) for the nn.Module class named by `source.module`; torchscript:
-# a torch.jit.save file; onnx: an ONNX graph. The three vision sources take float32 [N, C, H, W]
+# a torch.jit.save file; onnx-model: an ONNX graph. The three vision sources take float32 [N, C, H, W]
 # already normalized: the compiler folds the declared preprocessing in front of them.
-SourceFormat = Literal["xgboost-json", "xgboost-ubj", "joblib", "pickle", "torch-module", "torchscript", "onnx"]
+SourceFormat = Literal["xgboost-json", "xgboost-ubj", "joblib", "pickle", "torch-module", "torchscript", "onnx-model"]
 Format = Literal["onnx", "onnx-int8", "native", "tl2cgen", "hummingbird", "tensorrt", "tensorrt-int8"]
-VISION_SOURCES = ("torch-module", "torchscript", "onnx")
+VISION_SOURCES = ("torch-module", "torchscript", "onnx-model")
 
 
 class _Strict(BaseModel):
@@ -273,7 +273,7 @@ class ModelSpec(_Strict):
 _FIXES = {
     "verification.tolerance": "set a positive number such as 1e-5",
     "verification.sample_rows": "set a positive row count such as 256",
-    "source.format": "use one of xgboost-json, xgboost-ubj, joblib, pickle, torch-module, torchscript, onnx",
+    "source.format": "use one of xgboost-json, xgboost-ubj, joblib, pickle (tabular), torch-module, torchscript, onnx-model (image models)",
     "source.module": "name the model class as package.module:ClassName (importable in this environment)",
     "inputs.image": "describe the image: height, width, channels, layout (HWC or CHW), mean and std per channel",
     "calibration": "give a .npz file with uint8 images X, or omit it to calibrate on held-out images",

@@ -19,7 +19,7 @@ from .spec import ImageSpec, ModelSpec
 # module, an ONNX graph. All three take float32 [N, C, H, W] normalized by the spec's preprocessing.
 TORCH, TORCHSCRIPT, ONNX = "torch-vision", "torchscript-vision", "onnx-vision"
 VISION_FAMILIES = (TORCH, TORCHSCRIPT, ONNX)
-_FAMILY = {"torch-module": TORCH, "torchscript": TORCHSCRIPT, "onnx": ONNX}
+_FAMILY = {"torch-module": TORCH, "torchscript": TORCHSCRIPT, "onnx-model": ONNX}
 
 
 @dataclass(frozen=True)
@@ -119,14 +119,14 @@ def load_vision_source(spec: ModelSpec, source: str):  # -> SourceModel
     src, image = spec.source, spec.inputs.image
     assert image is not None
     if src.format not in _FAMILY:
-        raise SpecError(f"spec {source}: field `source.format`: {src.format} holds a tabular model; an image-classification model comes as torch-module, torchscript or onnx")
+        raise SpecError(f"spec {source}: field `source.format`: {src.format} holds a tabular model; an image-classification model comes as torch-module, torchscript or onnx-model")
     if not src.path.exists():
         raise SpecError(f"spec {source}: field `source.path`: {src.path} does not exist; give the model file's path, relative to the spec file")
     if src.format in ("torch-module", "torchscript") and not src.trusted:
         raise SpecError(
             f"spec {source}: field `source.trusted`: refusing to load {src.path.name} ({src.format}): a torch-module source imports "
             f"and runs the class {src.module!r} and a TorchScript file runs its code. If you produced the file yourself, set "
-            "`trusted: true` under `source`; otherwise export the model to ONNX (format: onnx), which carries no code."
+            "`trusted: true` under `source`; otherwise export the model to ONNX (format: onnx-model), which carries no code."
         )
     torch = _torch()
     try:

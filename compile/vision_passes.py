@@ -75,6 +75,9 @@ def prune_channels(
     if train is None or train.y is None:
         report.reason = "fine-tuning after pruning needs labelled training images: set `train_images` in the spec"
         return None, report
+    if holdout.y is None:
+        report.reason = "held-out images have no labels (y): accuracy cannot be measured"
+        return None, report
     src_acc = accuracy(source.predict(holdout.X), holdout.y)
     t0 = time.perf_counter()
     small = copy.deepcopy(source.model).prune_channels(spec.keep_ratio).eval()
@@ -114,6 +117,9 @@ def distill_student(
     report = PassReport(name="distillation", accepted=False, reason="", metric="accuracy", quality_budget=budget)
     if train is None or train.y is None:
         report.reason = "distillation needs labelled training images: set `train_images` in the spec"
+        return None, report
+    if holdout.y is None:
+        report.reason = "held-out images have no labels (y): accuracy cannot be measured"
         return None, report
     t0 = time.perf_counter()
     image = teacher.image.model_copy(update={"source_output": "logits"})

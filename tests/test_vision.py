@@ -19,7 +19,7 @@ from scorestack.client.vision import VisionService
 from scorestack.compile import compile_model
 from scorestack.compile.demo import VISION_MODELS, train_vision_models
 from scorestack.compile.spec import load_spec
-from scorestack.errors import RequestValidationError, SpecError
+from scorestack.errors import OverloadedError, RequestValidationError, SpecError
 from scorestack.serve import LocalTriton
 
 
@@ -107,8 +107,8 @@ def test_triton_returns_the_verified_class_for_every_held_out_image(compiled) ->
                 service = VisionService(triton, model=name)
                 results = []
                 for i in range(len(X)):  # one image per request, raw uint8 [32, 32, 1]
-                    results.append(await service.classify(X[i]))
-                batched = await service.classify(X[:70])  # split into requests of at most max_batch_size (32)
+                    results.append(await _classify(service, X[i]))
+                batched = await _classify(service, X[:70])  # split into requests of at most max_batch_size (32)
                 assert batched.requests == 3 and batched.classes.tolist() == [int(r.classes[0]) for r in results[:70]]
                 out[name] = (np.array([int(r.classes[0]) for r in results]), [r.timings_ms for r in results])
             with pytest.raises(RequestValidationError, match="uint8"):
@@ -123,6 +123,19 @@ def test_triton_returns_the_verified_class_for_every_held_out_image(compiled) ->
         assert len(classes) == len(X)
         np.testing.assert_array_equal(classes, expected[name])
         assert all({"validate", "infer", "decode", "total"} <= set(t) for t in timings)
+
+
+async def _classify(service: VisionService, images: np.ndarray):
+    """classify, retrying a queue-policy rejection: the suite shares 2 cores with other work, and a request
+    shed because the machine was busy says nothing about the model (the serving check does the same)."""
+    for attempt in range(5):
+        try:
+            return await service.classify(images)
+        except OverloadedError:
+            if attempt == 4:
+                raise
+            await asyncio.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _vision_spec(tmp_path: Path, models: Path, **changes) -> Path:

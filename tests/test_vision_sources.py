@@ -48,7 +48,7 @@ def sources(tmp_path_factory) -> tuple[Path, torch.nn.Module, np.ndarray]:
     return root, model, X
 
 
-@pytest.mark.parametrize("fmt,path,trusted", [("torchscript", "model.ts", True), ("onnx", "model_float.onnx", False)])
+@pytest.mark.parametrize("fmt,path,trusted", [("torchscript", "model.ts", True), ("onnx-model", "model_float.onnx", False)])
 def test_torchscript_and_onnx_sources_serve_the_declared_preprocessing(sources, fmt: str, path: str, trusted: bool) -> None:
     root, model, X = sources
     spec = {
@@ -63,7 +63,7 @@ def test_torchscript_and_onnx_sources_serve_the_declared_preprocessing(sources, 
     }
     (root / f"{fmt}.yaml").write_text(yaml.safe_dump(spec))
     report = compile_model(root / f"{fmt}.yaml", root / "repo")
-    assert report.source.family == {"torchscript": "torchscript-vision", "onnx": "onnx-vision"}[fmt]
+    assert report.source.family == {"torchscript": "torchscript-vision", "onnx-model": "onnx-vision"}[fmt]
     assert report.selected.format == "onnx" and report.serve_check.status == "passed" and report.serve_check.label_agreement == 1.0
     artifact = root / "repo" / spec["name"] / str(report.version) / "model.onnx"
     got = ort.InferenceSession(str(artifact), providers=["CPUExecutionProvider"]).run(None, {"images": X})[0]
