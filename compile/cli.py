@@ -50,7 +50,7 @@ def compile_command(
         results = compile_many(specs, repo, jobs=jobs, force=force, on_update=on_update, serve_check=serve_check, batch_profile=batch_profile)
     swap_errors = []
     if serve_url:
-        from scorestack.errors import ServerError
+        from scorestack.errors import ServerError, TlsError
         from scorestack.serve.control import load_version
 
         for r in results:
@@ -58,7 +58,7 @@ def compile_command(
                 try:
                     took = load_version(serve_url, r.name, r.version)
                     console.print(f"[green]serving[/] {r.name} version {r.version} on {serve_url} ({took:.1f} s)")
-                except ServerError as exc:
+                except (ServerError, TlsError) as exc:
                     swap_errors.append(str(exc))
                     console.print(f"[red]hot-swap failed[/] {exc}")
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, ValidationInfo, field_validator
 
-from scorestack import schema
+from scorestack import limits, schema
 from scorestack.errors import SpecError
 
 Task = Literal["binary", "multiclass", "regression", "ranking", "image-classification"]
@@ -89,7 +89,9 @@ class InputSpec(_Strict):
 class ServingSpec(_Strict):
     """The load the model must serve: expected batch sizes (with weights) and a latency budget."""
 
-    batch_sizes: list[PositiveInt] = Field(default_factory=lambda: [1, 64], min_length=1)
+    # Each at most scorestack.limits.MAX_ROWS_PER_REQUEST: the largest becomes max_batch_size, which is
+    # Triton's own rows-per-request limit, so the server refuses what the clients refuse.
+    batch_sizes: list[Annotated[int, Field(gt=0, le=limits.MAX_ROWS_PER_REQUEST)]] = Field(default_factory=lambda: [1, 64], min_length=1)
     batch_weights: list[PositiveFloat] | None = None
     latency_budget_ms: PositiveFloat = 10.0
     # Binary models: the probability at or above which the service decides "positive" (e.g. hold
@@ -100,7 +102,7 @@ class ServingSpec(_Strict):
     keep_versions: PositiveInt = 2
     # The largest batch Triton may form or accept (max_batch_size); default: the largest batch size.
     # Candidates are measured on a grid of every power of two up to it, not only on batch_sizes.
-    max_batch_size: PositiveInt | None = None
+    max_batch_size: Annotated[int, Field(gt=0, le=limits.MAX_ROWS_PER_REQUEST)] | None = None
     # Serve several verified formats, each on the batch sizes where it was measured fastest
     # (compile/dispatch.py); false keeps one format for every batch size.
     dispatch: bool = True
@@ -287,11 +289,11 @@ _FIXES = {
     "inputs.dtype": "features are float32 and images uint8; write `dtype: float32` or `dtype: uint8`",
     "outputs": "omit `outputs` to use the task's standard tensor name",
     "serving.latency_budget_ms": "set the per-request budget in milliseconds, such as 5",
-    "serving.batch_sizes": "list the batch sizes you expect, such as [1, 64]",
+    "serving.batch_sizes": "list the batch sizes you expect, such as [1, 64], each at most scorestack.limits.MAX_ROWS_PER_REQUEST (4096)",
     "serving.batch_weights": "give one positive weight per batch size, or omit it",
     "serving.decision_threshold": "give a probability in [0, 1] (binary models only), or omit it for 0.5",
     "serving.keep_versions": "give how many model versions to keep and serve, such as 2",
-    "serving.max_batch_size": "give the largest batch Triton may execute (at least the largest of batch_sizes), or omit it",
+    "serving.max_batch_size": "give the largest batch Triton may execute (at least the largest of batch_sizes, at most 4096), or omit it",
     "serving.dispatch": "write true (serve the fastest format per batch size) or false (one format for all)",
     "threads": "give a thread count such as 1, or a list such as [1, 2]",
     "holdout": "give a .npz file with arrays X and y (and group for ranking)",
