@@ -63,7 +63,8 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
         f"max_batch_size = serving.max_batch_size (default: the largest expected batch size) = {max_batch}.",
         f"instance_group count = min({MAX_INSTANCES}, CPUs {cpus} // threads per instance {threads}) = {instances}"
         + (" (GPU: one instance per device)" if gpu else "")
-        + "; threads per instance = the measured best thread count.",
+        + "; threads per instance = the lowest weighted latency among the spec's thread counts whose capacity "
+        "(instances × best rows/s) is within 90% of the best (compile/measure.choose_threads).",
         f"slack = budget {budget:.0f} µs − server overhead {SERVER_OVERHEAD_US} µs (gRPC floor, PLATFORM_NOTES) − "
         f"model time at batch {max_batch} {t_max:.0f} µs = {slack:.0f} µs.",
         f"max_queue_delay_microseconds = 10% of the slack, capped at {MAX_QUEUE_DELAY_US} µs, rounded down to 50 µs = {delay} "

@@ -296,7 +296,7 @@ def _time_candidates(
         if rep.format not in candidates:
             continue
         per_t = {t: table[_key(rep.format, t)] for t in spec.threads}
-        best_t = min(per_t, key=lambda t: measure.weighted_latency(per_t[t], weights))
+        best_t = measure.choose_threads(per_t, weights, os.cpu_count() or 1, emit.MAX_INSTANCES)
         rep.threads = best_t
         rep.latency_us = {str(b): round(v, 2) for b, v in per_t[best_t].items()}
         rep.latency_us_by_threads = {str(t): {str(b): round(v, 2) for b, v in lat.items()} for t, lat in per_t.items()}
@@ -318,8 +318,9 @@ def _dispatch(
 
     Returns the report, the dispatch candidate (None when one format serves every batch size or the
     dispatch was not verified) and its thread count."""
-    # The thread count whose fastest-format-per-size curve is lowest under the weights.
-    threads = min(curves_by_threads, key=lambda t: sum(w * min(c[b] for c in curves_by_threads[t].values()) for b, w in weights.items()))
+    # Threads for the dispatch: chosen on the fastest-format-per-size curve, with the instances they leave.
+    pointwise = {t: {b: min(c[b] for c in curves.values()) for b in next(iter(curves.values()))} for t, curves in curves_by_threads.items()}
+    threads = measure.choose_threads(pointwise, weights, os.cpu_count() or 1, emit.MAX_INSTANCES)
     curves = curves_by_threads[threads]
     plan = dispatch.plan_bands(curves, weights)
     rep = DispatchReport(

@@ -129,3 +129,17 @@ def test_a_bad_batch_profile_names_the_problem(tmp_path, text, fragment):
     path.write_text(text)
     with pytest.raises(SpecError, match=fragment):
         load_profiles(path)
+
+
+def test_threads_are_chosen_with_the_instances_they_leave():
+    from scorestack.compile.measure import choose_threads
+
+    # 2 threads halve batch-1 latency but scale large batches poorly: with 4 CPUs, 1 thread leaves 4
+    # instances (4 x 64/400 rows/µs) against 2 instances at 2 threads (2 x 64/300): too little capacity.
+    per_t = {1: {1: 40.0, 64: 400.0}, 2: {1: 20.0, 64: 300.0}}
+    assert choose_threads(per_t, {1: 1.0}, cpus=4, max_instances=4) == 1
+    # On one CPU both leave one instance: the lower latency wins.
+    assert choose_threads(per_t, {1: 1.0}, cpus=1, max_instances=4) == 2
+    # When 2 threads keep the capacity (large batches scale), they win on latency.
+    scaling = {1: {1: 40.0, 64: 400.0}, 2: {1: 20.0, 64: 180.0}}
+    assert choose_threads(scaling, {1: 0.5, 64: 0.5}, cpus=4, max_instances=4) == 2
