@@ -211,7 +211,7 @@ def main() -> None:
     specs = train_vision_models(models)
     load_before = [round(v, 2) for v in os.getloadavg()]
     started = time.time()
-    work = Path(paths.workspace()) / "bench_vision"
+    work = models.parent / "bench_vision"
     out = [bench_model(s, work / s.stem, args.rounds) for s in specs if s.stem in VISION_MODELS]
     result = {
         "benchmark": "vision",
