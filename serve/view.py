@@ -20,7 +20,7 @@ from scorestack.triton_config import load_config, write_config
 
 # Production backend -> the runtime that executes its artifact locally, and its default file.
 _NATIVE_BACKENDS = {"onnxruntime": ("onnxruntime", "model.onnx")}
-_PLATFORMS = {"onnxruntime_onnx": ("onnxruntime", "model.onnx")}
+_PLATFORMS = {"onnxruntime_onnx": ("onnxruntime", "model.onnx"), "tensorrt_plan": ("tensorrt", "model.plan")}
 
 
 @dataclass(frozen=True)
