@@ -43,7 +43,10 @@ def diagnose(
     users: Optional[int] = typer.Option(None, help="Demo traffic: sample user ids from 1..USERS (default 5000)."),
     items: Optional[int] = typer.Option(None, help="Demo traffic: sample item ids from 1..ITEMS (default 2000)."),
     metrics_port: Optional[int] = typer.Option(
-        None, "--metrics-port", min=0, max=65535, help="Demo traffic: serve its request-phase and feature-fetch metrics at http://127.0.0.1:PORT/metrics while it runs."
+        None, "--metrics-port", min=0, max=65535, help="Demo traffic: serve its request-phase and feature-fetch metrics at http://ADDRESS:PORT/metrics while it runs."
+    ),
+    metrics_address: str = typer.Option(
+        "127.0.0.1", "--metrics-address", help="Address --metrics-port binds (0.0.0.0 inside a container network, for Prometheus)."
     ),
     tls_dir: Optional[Path] = typer.Option(
         None, "--tls-dir", envvar="SCORESTACK_TLS_DIR", help="Talk gRPC over TLS with the CA (and client certificate for mutual TLS) in DIR."
@@ -98,7 +101,7 @@ def diagnose(
             _demo(
                 url, feature_repo, fraud_model, ranking_model, tls, json_out, err,
                 fraud_requests=fraud_requests, ranking_requests=ranking_requests, candidates=candidates, users=users, items=items,
-                metrics_port=metrics_port,
+                metrics_port=metrics_port, metrics_address=metrics_address,
             )  # fmt: skip
             return
     except ScorestackError as exc:
@@ -135,7 +138,7 @@ async def _replay_all(target, rows: Path | None, requests: int, concurrency: int
     return out
 
 
-def _demo(url: str, feature_repo: Path | None, fraud_model: str, ranking_model: str, tls, json_out: bool, err, metrics_port: int | None = None, **counts) -> None:  # noqa: ANN001
+def _demo(url: str, feature_repo: Path | None, fraud_model: str, ranking_model: str, tls, json_out: bool, err, metrics_port: int | None = None, metrics_address: str = "127.0.0.1", **counts) -> None:  # noqa: ANN001
     """The demo's fraud and ranking traffic through the demo services (what `scorestack demo` and the compose demo run)."""
     from dataclasses import asdict
 
@@ -156,8 +159,8 @@ def _demo(url: str, feature_repo: Path | None, fraud_model: str, ranking_model: 
         from scorestack.client.metrics import serve
 
         registry = CollectorRegistry()
-        http, _ = serve(metrics_port, registry)
-        err.print(f"request metrics at http://127.0.0.1:{http.server_port}/metrics while the traffic runs")
+        http, _ = serve(metrics_port, registry, addr=metrics_address)
+        err.print(f"request metrics at http://{metrics_address}:{http.server_port}/metrics while the traffic runs")
     try:
         result = asyncio.run(
             run_diagnosis(
