@@ -133,6 +133,16 @@ class FeatureWriter:
         self._unwritten: dict[tuple[str, Any], tuple[int, dict[str, list]]] = {}
         self._sequence = 0
 
+    def _count(self, push_source: str, outcome: str) -> None:
+        # A labelled child's value is created on first use: create it in process memory, not in the
+        # multiprocess files `import feast` switches prometheus_client to (shared by every registry
+        # of the process, so two writers would count into each other).
+        from scorestack.features.metrics import in_process_values
+
+        with in_process_values():
+            child = self._pushes.labels(push_source, outcome)
+        child.inc()
+
     def count(self, push_source: str, outcome: str) -> int:
         """How many pushes to `push_source` ended with `outcome` (one of OUTCOMES)."""
         value = self.registry.get_sample_value("scorestack_feature_pushes_total", {"push_source": push_source, "outcome": outcome})
@@ -140,7 +150,7 @@ class FeatureWriter:
 
     def skip(self, push_source: str) -> None:
         """Count an event that was not written back (its counters were not read fresh)."""
-        self._pushes.labels(push_source, "skipped").inc()
+        self._count(push_source, "skipped")
 
     def unwritten(self, push_source: str, entity: Any) -> dict[str, list] | None:
         """The latest row submitted for `entity` that is not yet in the store (None when all landed)."""
@@ -153,7 +163,7 @@ class FeatureWriter:
         With `entity`, the row is remembered as unwritten until its push ends (see `unwritten`).
         """
         if len(self._tasks) >= self.max_pending:
-            self._pushes.labels(push_source, "dropped").inc()
+            self._count(push_source, "dropped")
             logger.warning("push to %s dropped: %d pushes pending", push_source, len(self._tasks))
             return False
         self._sequence += 1
@@ -184,13 +194,13 @@ class FeatureWriter:
         try:
             await asyncio.wait_for(loop.run_in_executor(self._executor, self._push_sync, push_source, row), self.timeout_s)
         except TimeoutError:
-            self._pushes.labels(push_source, "timeout").inc()
+            self._count(push_source, "timeout")
             logger.warning("push to %s timed out after %.3f s", push_source, self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed write-back is counted and logged, never raised into scoring
-            self._pushes.labels(push_source, "failed").inc()
+            self._count(push_source, "failed")
             logger.warning("push to %s failed: %s: %s", push_source, type(exc).__name__, exc)
         else:
-            self._pushes.labels(push_source, "pushed").inc()
+            self._count(push_source, "pushed")
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait (at most `timeout_s`) for the pushes submitted so far."""

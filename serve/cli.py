@@ -101,6 +101,9 @@ def serve(
         stop = True
 
     signal.signal(signal.SIGTERM, _stop)
+    # SIGINT explicitly too: a process started in the background by a non-interactive shell (CI
+    # scripts, `cmd &`) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, _stop)
     try:
         while not stop and server.is_running():
             time.sleep(0.5)

@@ -3,6 +3,8 @@ supervisor, a hot-swap under load, and the serving check that keeps a broken ver
 
 from __future__ import annotations
 
+import json
+
 import asyncio
 import os
 import re
@@ -45,8 +47,11 @@ def _version_dir(model: Path) -> Path:
 
 
 def _artifact(model: Path) -> Path:
-    """The served artifact of the newest version (whatever format the compiler selected)."""
+    """The served artifact of the newest version (whatever format the compiler selected; for a
+    per-batch-size dispatch, its first band's, which serves batch 1)."""
     params = load_config(model / "config.pbtxt").parameters
+    if params[rt.PARAM_RUNTIME].string_value == rt.DISPATCH:
+        return _version_dir(model) / json.loads(params[rt.PARAM_DISPATCH].string_value)[0]["artifact"]
     return _version_dir(model) / params[rt.PARAM_ARTIFACT].string_value
 
 

@@ -55,7 +55,12 @@ def test_every_candidate_has_accuracy_agreement_and_batch_1_and_32_latency(compi
         assert "static INT8 QDQ" in " ".join(by["onnx-int8"]["notes"])
         assert by["tensorrt"]["status"] == "skipped" and "target is cpu" in by["tensorrt"]["reason"]
         measured = [c for c in r["candidates"] if c["status"] in ("verified", "selected")]
-        assert len(measured) >= 2
+        # fp32 ONNX always; lossy candidates only within the accuracy budget, which depends on the
+        # training run: a rejected one must say why.
+        assert len(measured) >= 1
+        for c in r["candidates"]:
+            if c["status"] == "rejected":
+                assert c["reason"], c["format"]
         for c in measured:
             assert c["accuracy"] is not None and c["argmax_agreement"] is not None, c["format"]
             assert c["latency_us"]["1"] > 0 and c["latency_us"]["32"] > 0, c["format"]
