@@ -341,10 +341,13 @@ def _dispatch(
     except WorkerError as exc:
         rep.status, rep.reason = "rejected", f"does not load in the server environment: {exc}"[:700]
         return rep, None, threads
-    reference = model.predict(holdout.X)
-    v = verify.verify(lambda X, sizes: worker.execute(key, X, sizes), reference, holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows)
-    edges = verify.verify_bands(lambda X, sizes: worker.execute(key, X, sizes), model.predict, holdout, [(b.min_rows, b.max_rows) for b in plan.bands], spec.task, spec.verification.tolerance)
-    rep.max_abs_diff = max(d for d in (v.max_abs_diff, edges.max_abs_diff) if d is not None) if (v.max_abs_diff is not None or edges.max_abs_diff is not None) else None
+    def execute(X, sizes):  # noqa: ANN001, ANN202 - verify's Execute
+        return worker.execute(key, X, sizes)
+
+    v = verify.verify(execute, model.predict(holdout.X), holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows)
+    edges = verify.verify_bands(execute, model.predict, holdout, [(b.min_rows, b.max_rows) for b in plan.bands], spec.task, spec.verification.tolerance)
+    diffs = [d for d in (v.max_abs_diff, edges.max_abs_diff) if d is not None]
+    rep.max_abs_diff = max(diffs) if diffs else None
     rep.edge_sizes = edges.sizes
     if not (v.verified and edges.verified):
         rep.status = "rejected"
@@ -436,7 +439,6 @@ def compile_model(
             if spec.serving.dispatch and len(candidates) > 1 and not spec.is_vision:
                 dispatch_report, dispatched, dispatch_threads = _dispatch(spec, model, holdout, curves, candidates, weights, staging / "dispatch", worker)
             verified_in = dict(worker.info, kind=where)
-        best = min((r for r in reports if r.format in candidates), key=lambda r: r.weighted_latency_us or float("inf"))
         if dispatched is not None and dispatch_report is not None:
             chosen = dispatched
             selected = SelectedReport(
@@ -453,6 +455,7 @@ def compile_model(
                 if r.format in {b.format for b in chosen.artifact.bands}:
                     r.status = "selected"
         else:
+            best = min((r for r in reports if r.format in candidates), key=lambda r: r.weighted_latency_us or float("inf"))
             best.status = "selected"
             chosen = candidates[best.format]
             selected = SelectedReport(
