@@ -217,8 +217,10 @@ class LocalTriton:
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="scorestack-triton-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Fingerprints before the view is built (see reload): a version installed meanwhile is loaded by the watcher.
+        seen = {p.name: self._fingerprint(p.name) for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith(".")}
         self.view = build_local_view(self.repository, self.run_dir / "models", strict=self.strict)
-        self._fingerprints = {name: self._fingerprint(name) for name in self.view.models}
+        self._fingerprints = {name: seen.get(name, (None,)) for name in self.view.models}
         for name, reason in self.view.skipped.items():
             log.warning("model %s not served locally: %s", name, reason)
         backends = self._assemble_backends(env)
@@ -360,6 +362,10 @@ class LocalTriton:
         """
         assert self.view is not None and self.run_dir is not None
         with self._sync_lock:
+            # What is about to be rendered, taken before rendering: a version installed while this
+            # one renders and loads (a load takes seconds) then differs at the next look and is
+            # loaded then. Taken after the load, it would mark that version as already seen.
+            seen = self._fingerprint(name)
             try:
                 reason = render_model(self.repository / name, self.view.root)
             except ConfigError as exc:
@@ -374,7 +380,7 @@ class LocalTriton:
                 else:
                     err = body.get("error") if isinstance(body, dict) else str(body)
                     st = ModelStatus(name, bool(current and current.ready), current.versions if current else (), _first_line(err or "load failed"))
-            self._fingerprints[name] = self._fingerprint(name)
+            self._fingerprints[name] = seen
             self.model_status[name] = st
             return st
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +91,42 @@ def private_redis(tmp_path: Path):
     server.start()
     yield server
     server.stop()
+
+
+class ServeOutput:
+    """Reads a `scorestack serve` process's merged output in a thread, to the end.
+
+    A test that stops reading once the server is ready lets the pipe fill, and the server's later
+    log lines (a hot-swap's "reloaded", a failed sync's traceback) would then block its repository
+    watcher. Draining keeps the server unblocked and keeps every line for assertion messages.
+    """
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "Ctrl-C to stop" in line:
+                self._ready.set()
+        self._ready.set()  # ended: wait_ready() sees whether it was ready
+
+    def wait_ready(self, timeout_s: float = 180) -> bool:
+        self._ready.wait(timeout_s)
+        return any("Ctrl-C to stop" in ln for ln in self.lines)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def finish(self, timeout_s: float = 60) -> str:
+        """Wait for the process to end (after the test stopped it) and return everything it printed."""
+        self.proc.wait(timeout_s)
+        self._thread.join(10)
+        return self.text()
 
 
 @pytest.fixture(scope="session")

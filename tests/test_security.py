@@ -20,6 +20,8 @@ import xgboost as xgb
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from conftest import ServeOutput
+
 from scorestack import demo_data, limits, schema
 from scorestack.client.diagnose import server_snapshot
 from scorestack.client.fraud import FraudService
@@ -318,17 +320,9 @@ def test_no_command_line_log_or_report_of_scorestack_holds_the_key(fraud_model, 
         [SCORESTACK, "serve", "--repository", str(repo), "--grpc-port", g, "--http-port", h, "--metrics-port", m, "--tls-dir", str(certs["good"].directory)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
-    lines: list[str] = []
+    output = ServeOutput(serve)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = serve.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C to stop" in line:
-                break
-        assert any("restricted" in ln and ADMIN_KEY_HEADER in ln for ln in lines), "".join(lines)
+        assert output.wait_ready() and any("restricted" in ln and ADMIN_KEY_HEADER in ln for ln in output.lines), output.text()
         url = f"127.0.0.1:{g}"
         client_env = dict(os.environ, COLUMNS="250", **{TLS_DIR_ENV: str(certs["good"].directory)})
         client_env.pop(ADMIN_KEY_ENV, None)
@@ -343,18 +337,17 @@ def test_no_command_line_log_or_report_of_scorestack_holds_the_key(fraud_model, 
             [SCORESTACK, "compile", str(spec2), "--repository", str(repo), "--serve-url", url, "--force", "--no-serve-check"],
             capture_output=True, text=True, timeout=600, env=dict(client_env, **{ADMIN_KEY_ENV: key}),
         )
-        assert swap.returncode == 0 and "serving fraud_tiny version" in swap.stdout, swap.stdout + swap.stderr
+        assert swap.returncode == 0 and "serving fraud_tiny version" in swap.stdout, swap.stdout + swap.stderr + "\n--- serve ---\n" + output.text()
         tritonserver_env = Path(f"/proc/{triton[0]}/environ").read_bytes()
     finally:
         serve.send_signal(signal.SIGINT)
-        out, _ = serve.communicate(timeout=60)
-        lines.append(out)
+        serve_text = output.finish(60)
     # Only tritonserver itself: Triton takes the key on its command line alone (README: threat model).
     assert len(triton) == 1 and holders == {triton[0]}, (holders, triton)
     assert key.encode() not in tritonserver_env
     # Nothing scorestack printed or wrote (serve's and compile's output, Triton's log in the kept run
     # directory, the repository's reports) holds the key.
-    texts = {"serve output": "".join(lines), "refused compile": refused.stdout + refused.stderr, "compile": swap.stdout + swap.stderr}
+    texts = {"serve output": serve_text, "refused compile": refused.stdout + refused.stderr, "compile": swap.stdout + swap.stderr}
     files = [p for d in (run_dirs, repo) for p in d.rglob("*") if p.is_file()]
     assert any(p.name == "tritonserver.log" for p in files) and any(p.name == "report.json" for p in files)
     for p in files:

@@ -23,9 +23,11 @@ import tritonclient.grpc.aio as aiogrpc
 import xgboost as xgb
 import yaml
 
+from conftest import ServeOutput
 from scorestack.compile import compile_model
 from scorestack.errors import ServerError, VerificationError
 from scorestack.serve import LocalTriton
+from scorestack.serve import server as server_module
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.server import SUPERVISOR_ENV, _supervisor_tag, clean_leftovers, free_port
 from scorestack.triton_config import load_config
@@ -118,6 +120,41 @@ def test_a_flipped_byte_is_refused_by_name(compiled_demo, server_environment, tm
         assert _infer(server.grpc_url, "ranking_xgb", _holdout(models_dir, "ranking_xgb")[:3], "score").shape == (3, 1)
 
 
+def test_a_version_installed_while_another_loads_is_loaded_next(compiled_demo, server_environment, tmp_path, monkeypatch):
+    """The repository watcher's race (seen in CI: a hot-swap waited 120 s for a version never loaded).
+
+    A compile installs version N+2 while the watcher renders and loads N+1 (a load takes seconds).
+    The watcher must remember what it rendered, not what the folder held after the load, so its next
+    look loads N+2. The timing is forced here (a version copied in right after rendering): a race
+    cannot be produced on demand otherwise; the server, the view and the loads are real.
+    """
+    models_dir, demo_repo, _, _ = compiled_demo
+    repo = tmp_path / "repo"
+    model = _copy_model(demo_repo, "fraud_xgb", repo)
+    first = _version_dir(model)
+    second, third = (model / str(int(first.name) + k) for k in (1, 2))
+    render = server_module.render_model
+
+    def render_then_a_compile_lands(model_dir: Path, out_root: Path):
+        reason = render(model_dir, out_root)
+        if not third.exists():
+            shutil.copytree(first, third)
+        return reason
+
+    with LocalTriton(repo, server_env=server_environment) as server:
+        shutil.copytree(first, second)
+        monkeypatch.setattr(server_module, "render_model", render_then_a_compile_lands)
+        st = server.sync()["fraud_xgb"]
+        assert st.ready and third.name not in st.versions, st  # the load raced: the newest is not served yet
+        monkeypatch.setattr(server_module, "render_model", render)
+        changed = server.sync()
+        assert "fraud_xgb" in changed, "the version installed during the load was marked as seen and never loaded"
+        assert changed["fraud_xgb"].ready and third.name in changed["fraud_xgb"].versions, changed
+        assert server.sync() == {}  # and nothing is reloaded when nothing changed
+        X = _holdout(models_dir, "fraud_xgb")[:3]
+        np.testing.assert_allclose(_infer(server.grpc_url, "fraud_xgb", X, "probability")[:, 0], _source_fraud(models_dir, X), atol=1e-5)
+
+
 # --- the server dies with its supervisor ------------------------------------------------------------
 
 
@@ -152,17 +189,11 @@ def _start_serve(repo: Path, ports: tuple[int, int, int], tmp: Path) -> tuple[su
         text=True,
         env=env,
     )
-    lines: list[str] = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "Ctrl-C to stop" in line:
-            return proc, f"127.0.0.1:{g}", lines
+    output = ServeOutput(proc)  # drained to the end: a full pipe would block the server's watcher
+    if output.wait_ready():
+        return proc, f"127.0.0.1:{g}", output.lines
     proc.kill()
-    raise AssertionError("scorestack serve did not become ready:\n" + "".join(lines))
+    raise AssertionError("scorestack serve did not become ready:\n" + output.text())
 
 
 def test_sigkill_of_serve_leaves_no_triton_behind(compiled_demo, server_environment, tmp_path):
@@ -192,7 +223,7 @@ def test_sigkill_of_serve_leaves_no_triton_behind(compiled_demo, server_environm
         np.testing.assert_allclose(_infer(url, "fraud_xgb", X, "probability")[:, 0], _source_fraud(models_dir, X), atol=1e-5)
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+        proc.wait(60)  # its output is drained by ServeOutput
     assert proc.returncode == 0
 
 
@@ -296,7 +327,7 @@ def test_hot_swap_under_32_concurrent_clients_drops_nothing(server_environment, 
         stop.set()
         runner.join(60)
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+        proc.wait(60)  # its output is drained by ServeOutput
     assert swap.returncode == 0, swap.stdout + swap.stderr
     assert "serving swap version 2" in swap.stdout
 
