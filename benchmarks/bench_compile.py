@@ -32,7 +32,8 @@ from typing import Any, Callable
 import numpy as np
 import yaml
 
-from scorestack.compile import compile_model, emit, train_demo_models
+from scorestack.compile import compile_model, emit
+from scorestack.demo.train import train_demo_models
 from scorestack.compile.registry import Artifact
 from scorestack.paths import workspace
 from scorestack.serve.runtime import scorestack_runtime as rt

@@ -32,6 +32,7 @@ import numpy as np
 import redis
 
 from scorestack.features import store
+from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -354,7 +355,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     loadavg_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_features_") as tmp:
-        repo = store.init_repo(Path(tmp) / "repo", online="redis", redis_url=args.redis_url, n_users=N_USERS, n_items=N_ITEMS, project=PROJECT)
+        repo = demo_features.init_repo(Path(tmp) / "repo", online="redis", redis_url=args.redis_url, n_users=N_USERS, n_items=N_ITEMS, project=PROJECT)
         with open(repo / "definitions.py", "a") as definitions:
             definitions.write(ODFV_DEFINITIONS)
         store.apply(repo)

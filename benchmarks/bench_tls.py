@@ -24,7 +24,8 @@ import numpy as np
 import xgboost as xgb
 import yaml
 
-from scorestack import demo_data, schema
+from scorestack import schema
+from scorestack.demo import data as demo_data
 from scorestack.client.triton import TritonClient
 from scorestack.compile import compile_model
 from scorestack.serve import LocalTriton

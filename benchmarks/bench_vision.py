@@ -25,7 +25,7 @@ import torch
 
 from scorestack import paths
 from scorestack.compile.convert_torch import export_fp32, quantize_int8
-from scorestack.compile.demo import VISION_MODELS, train_vision_models
+from scorestack.demo.train import VISION_MODELS, train_vision_models
 from scorestack.compile.loaders import load_holdout, load_source
 from scorestack.compile.spec import load_spec
 from scorestack.compile.vision import load_images, served_module

@@ -143,7 +143,7 @@ def main() -> int:
         print(f"gpu_check_vision: cannot check the TensorRT path here: {missing}. Run it on a machine with an NVIDIA GPU, TensorRT 10 and CUDA torch.", file=sys.stderr)
         return 2
     from scorestack import paths
-    from scorestack.compile.demo import train_vision_models
+    from scorestack.demo.train import train_vision_models
 
     models = args.models or paths.workspace() / "models"
     repository = args.repository or paths.workspace() / "gpu_check_repository"

@@ -53,7 +53,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from scorestack import demo_data
+from scorestack.demo import data as demo_data
 from scorestack.client.fraud import FraudScore, FraudService
 from scorestack.client.triton import TritonClient
 from scorestack.features.fetch import FeatureFetcher
@@ -702,16 +702,18 @@ def _prepare(redis_url: str, n_users: int, recompile: bool) -> tuple[Path, Path]
     """
     from scorestack import paths
     from scorestack.features import store
+    from scorestack.demo import features as demo_features
 
     ws = paths.workspace()
     repository = ws / "model_repository"
     if recompile or not (repository / "fraud_xgb" / "config.pbtxt").is_file():
-        from scorestack.compile import compile_model, train_demo_models
+        from scorestack.compile import compile_model
+        from scorestack.demo.train import train_demo_models
 
         specs = {p.stem: p for p in train_demo_models(ws / "models")}
         compile_model(specs["fraud_xgb"], repository)
     repo = ws / "feature_repo_soak"
-    store.init_repo(repo, online="redis", redis_url=redis_url, n_users=n_users, project="bench_soak")
+    demo_features.init_repo(repo, online="redis", redis_url=redis_url, n_users=n_users, project="bench_soak")
     store.apply(repo)
     store.materialize(repo)
     return repository, repo

@@ -2,10 +2,11 @@
 
 Any deployment: `watch` reads Triton's statistics over a window of live traffic and sends nothing;
 `client/replay.py` sends rows at a concurrency or rate; with the client's exported histograms
-(client/metrics.py) the request path is diagnosed end to end. `run_diagnosis` sends the demo's
-traffic through the demo's fraud and ranking services (what `scorestack demo` runs).
+(client/metrics.py) the request path is diagnosed end to end. `measure` times requests sent through
+any service's `send(i)` against Triton's statistics (the demo's traffic uses it:
+scorestack.demo.traffic).
 
-Phases of one demo request, as a user would optimize them:
+Phases of one service request (`measure`, `Breakdown`), as a user would optimize them:
 - features: waiting for the feature store on the critical path (the fetch overlaps validation)
 - client: validating the request and assembling the feature matrix in the model's order
 - queue: time in Triton's scheduler queue (dynamic batcher, busy instances)
@@ -27,7 +28,7 @@ from scorestack.client.metrics import Scrape
 from scorestack.client.server_stats import SERVER_PHASES, ModelStats, failures_by_reason, fetch_text, read_statistics
 from scorestack.client.triton import TritonClient
 from scorestack.errors import InferenceError
-from scorestack.serve.security import AdminKey, ClientTls, load_admin_key
+from scorestack.serve.security import ClientTls, load_admin_key
 
 if TYPE_CHECKING:
     from scorestack.compile.report import CompileReport
@@ -228,73 +229,6 @@ def diagnosis_line(b: Breakdown) -> str:
         f"{b.service}: p50 {b.p50_total_ms:.2f} ms, p99 {b.p99_total_ms:.2f} ms over {b.requests} requests{failed}; "
         f"{b.dominant} is {share:.0%} of the time -> {b.advice}"
     )
-
-
-async def run_diagnosis(
-    grpc_url: str,
-    feature_repo: Path,
-    n_fraud: int = 300,
-    n_ranking: int = 100,
-    n_candidates: int = 200,
-    *,
-    fraud_model: str = "fraud_xgb",
-    ranking_model: str = "ranking_xgb",
-    n_users: int = 5000,
-    n_items: int = 2000,
-    tls: ClientTls | None = None,
-    admin_key: AdminKey | None = None,
-    registry: Any = None,
-) -> list[Breakdown]:
-    """Send demo fraud and ranking traffic through the real services and break down where time went.
-
-    Reading Triton's statistics needs the admin key on a restricted server: `admin_key`, else
-    $SCORESTACK_ADMIN_KEY / $SCORESTACK_ADMIN_KEY_FILE. TLS: `tls`, else $SCORESTACK_TLS_DIR.
-    With a prometheus `registry`, the requests' phases (client/metrics.py) and the fetch layer's
-    metrics are recorded in it, for whoever serves it.
-    """
-    from scorestack.client.metrics import RequestMetrics
-
-    import numpy as np
-
-    from scorestack import demo_data
-    from scorestack.client.fraud import FraudService
-    from scorestack.client.ranking import RankingService
-    from scorestack.client.triton import TritonClient
-    from scorestack.features.fetch import FeatureFetcher
-
-    rng = np.random.default_rng(5)
-    fraud_fields = demo_data.make_fraud_requests(n_fraud + 20, seed=99)
-    context = demo_data.make_ranking_context(n_ranking + 20, seed=98)
-    key = load_admin_key(admin_key)
-    tls = tls or ClientTls.from_env()
-    async with TritonClient(grpc_url, deadline_s=2.0, tls=tls, admin_key=key) as triton:
-        async with FeatureFetcher.from_repo(feature_repo, timeout_s=0.05, **({"registry": registry} if registry is not None else {})) as fetcher:
-            fraud = FraudService(triton, fetcher, model=fraud_model)
-            ranking = RankingService(triton, fetcher, model=ranking_model)
-            fraud_metrics = RequestMetrics(registry, service="fraud", model=fraud_model) if registry is not None else None
-            ranking_metrics = RequestMetrics(registry, service="ranking", model=ranking_model) if registry is not None else None
-
-            def fraud_request(i: int) -> dict:
-                row = {k: float(v) for k, v in fraud_fields.iloc[i].items()}
-                return {"user_id": int(rng.integers(1, n_users + 1)), **row}
-
-            async def send_fraud(i: int):
-                result = await fraud.score(fraud_request(i))
-                if fraud_metrics is not None:
-                    fraud_metrics.observe(result.timings_ms)
-                return result
-
-            async def send_ranking(i: int):
-                items = rng.choice(np.arange(1, n_items + 1), n_candidates, replace=False).tolist()
-                ctx = {k: float(v) for k, v in context.iloc[i].items()}
-                result = await ranking.rank(int(rng.integers(1, n_users + 1)), items, ctx)
-                if ranking_metrics is not None:
-                    ranking_metrics.observe(result.timings_ms)
-                return result
-
-            b1 = await measure(triton, "fraud", fraud_model, send_fraud, n_fraud)
-            b2 = await measure(triton, "ranking", ranking_model, send_ranking, n_ranking)
-    return [b1, b2]
 
 
 # --- any deployment: passive watching, replay, and the client's exported metrics ----------------

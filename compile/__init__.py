@@ -1,6 +1,6 @@
 """The compiler: turn a trained scikit-learn, XGBoost or image (PyTorch/ONNX) model and a spec into the fastest verified Triton model folder.
 
-Public entry points: `compile_model`, `compile_many`, `load_spec`, `train_demo_models`, `train_vision_models`.
+Public entry points: `compile_model`, `compile_many`, `load_spec`; the report is `CompileReport`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ if TYPE_CHECKING:  # imports stay lazy: `scorestack --help` must not load XGBoos
     from .pipeline import compile_model
     from .report import CompileReport
     from .spec import ModelSpec, load_spec
-    from .demo import train_demo_models, train_vision_models
 
 _EXPORTS = {
     name: f"{__name__}.{module}"
@@ -25,8 +24,6 @@ _EXPORTS = {
         "CompileReport": "report",
         "ModelSpec": "spec",
         "load_spec": "spec",
-        "train_demo_models": "demo",
-        "train_vision_models": "demo",
     }.items()
 }
 

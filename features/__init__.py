@@ -1,4 +1,4 @@
-"""The Feast feature repository (fraud, ranking), its demo data, the async feature-fetch layer and write-back.
+"""The Feast feature repository (fraud, ranking), the async feature-fetch layer and write-back.
 
 Heavy modules (Feast, redis) load on first use: `from scorestack.features import FeatureFetcher`.
 """
@@ -14,7 +14,7 @@ _EXPORTS = {
     "FetchTimings": "scorestack.features.fetch",
     "FeatureWriter": "scorestack.features.push",
     "CounterUpdate": "scorestack.features.push",
-    "init_repo": "scorestack.features.store",
+    "write_repo": "scorestack.features.store",
     "apply": "scorestack.features.store",
     "materialize": "scorestack.features.store",
     "feature_store": "scorestack.features.store",

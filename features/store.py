@@ -1,9 +1,10 @@
-"""The working Feast feature repository: generate it, apply it, materialize it, open it.
+"""The working Feast feature repository: write it, apply it, materialize it, open it.
 
 The installed package may be read-only, so the repository lives in a directory the user picks
 (default `<workspace>/feature_repo`): the definitions module is copied there beside a rendered
-`feature_store.yaml` and the demo parquet data, and Feast's own CLI (`feast apply`,
-`feast materialize`) works on it unchanged.
+`feature_store.yaml` and a `data/` folder for the parquet tables its sources read
+(`source_path`), and Feast's own CLI (`feast apply`, `feast materialize`) works on it unchanged.
+Whoever owns the data writes the tables (the demo's: `scorestack.demo.features`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import parse_qs, unquote, urlparse
 
-import numpy as np
-import pandas as pd
-
-from scorestack import demo_data, paths
+from scorestack import paths
 from scorestack.errors import FeatureError
 
 if TYPE_CHECKING:
@@ -119,51 +117,36 @@ def render_feature_store_yaml(
     )
 
 
-def _stamp(df: pd.DataFrame, now: datetime, seed: int) -> pd.DataFrame:
-    """Event times within the 10 minutes before `now` (whole seconds), so no view is stale at demo time."""
-    rng = np.random.default_rng(seed)
-    out = df.copy()
-    ts = pd.Timestamp(now.replace(microsecond=0)) - pd.to_timedelta(rng.integers(1, 600, len(df)), unit="s")
-    out["event_timestamp"] = ts
-    return out
+# The parquet tables the definitions' sources read, one row per entity with an `event_timestamp`.
+SOURCE_FILES = {"user": "users.parquet", "item": "items.parquet"}
 
 
-def init_repo(
+def source_path(repo_dir: str | Path, entity: str) -> Path:
+    """Where the table of `entity` (user, item) lies in a working repository: `data/<file>`."""
+    if entity not in SOURCE_FILES:
+        raise FeatureError(f"entity: expected one of {sorted(SOURCE_FILES)}, got {entity!r}")
+    return Path(repo_dir) / "data" / SOURCE_FILES[entity]
+
+
+def write_repo(
     repo_dir: str | Path | None = None,
     online: Online = "sqlite",
     redis_url: str | None = None,
-    n_users: int = 5000,
-    n_items: int = 2000,
     *,
     project: str = PROJECT,
 ) -> Path:
-    """Write a working feature repository: definitions, feature_store.yaml and demo parquet data.
+    """Write a working feature repository: the definitions, feature_store.yaml and an empty `data/`.
 
-    Event timestamps are re-stamped to the last ten minutes (the demo tables carry 2026-11-01).
-    Returns the repository directory. Run `apply` then `materialize` (or `feast apply` and
-    `feast materialize` inside it) to fill the online store.
+    Returns the repository directory. Put the source tables at `source_path(repo, entity)`, then
+    run `apply` and `materialize` (or `feast apply` and `feast materialize` inside it).
     """
-    if n_users < 1 or n_items < 1:
-        raise FeatureError(f"n_users/n_items: must be positive, got {n_users}/{n_items}")
     repo = Path(repo_dir) if repo_dir is not None else default_repo_dir()
     yaml_text = render_feature_store_yaml(online, redis_url, project)
-    data = repo / "data"
-    data.mkdir(parents=True, exist_ok=True)
+    (repo / "data").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(DEFINITIONS, repo / "definitions.py")
     (repo / "feature_store.yaml").write_text(yaml_text)
     (repo / ".feastignore").write_text("data/\n")
-    now = datetime.now(timezone.utc)
-    _stamp(demo_data.make_users(n_users), now, 1).to_parquet(data / "users.parquet", index=False)
-    _stamp(demo_data.make_items(n_items), now, 2).to_parquet(data / "items.parquet", index=False)
     return repo
-
-
-def restamp(repo_dir: str | Path) -> None:
-    """Move the demo data's event times to the last ten minutes (before re-materializing a day-old demo)."""
-    data = Path(repo_dir) / "data"
-    now = datetime.now(timezone.utc)
-    for seed, name in enumerate(("users.parquet", "items.parquet"), start=1):
-        _stamp(pd.read_parquet(data / name), now, seed).to_parquet(data / name, index=False)
 
 
 def _check_repo(repo_dir: str | Path) -> Path:
@@ -206,14 +189,9 @@ def _load_repo_objects(repo: Path) -> list:
     return [v for v in vars(module).values() if isinstance(v, kinds)]
 
 
-def materialize(
-    repo_dir: str | Path | None = None, end: datetime | None = None, *, restamp_data: bool = False
-) -> "feast.FeatureStore":
+def materialize(repo_dir: str | Path | None = None, end: datetime | None = None) -> "feast.FeatureStore":
     """Load every row up to `end` (default: now) from the parquet sources into the online store."""
-    repo = _check_repo(repo_dir if repo_dir is not None else default_repo_dir())
-    if restamp_data:
-        restamp(repo)
-    store = feature_store(repo)
+    store = feature_store(repo_dir)
     end = end or datetime.now(timezone.utc) + timedelta(seconds=1)
     store.materialize(start_date=datetime(2000, 1, 1, tzinfo=timezone.utc), end_date=end)
     return store

@@ -135,7 +135,8 @@ def compiled_demo(tmp_path_factory):
 
     Returns (models_dir, repository, {name: spec_path}, {name: CompileReport}).
     """
-    from scorestack.compile import compile_model, train_demo_models
+    from scorestack.compile import compile_model
+    from scorestack.demo.train import train_demo_models
 
     root = tmp_path_factory.mktemp("demo")
     specs = {p.stem: p for p in train_demo_models(root / "models")}

@@ -14,7 +14,7 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from scorestack.compile import train_demo_models
+from scorestack.demo.train import train_demo_models
 
 SCORESTACK = [sys.executable, "-m", "scorestack.cli"]
 

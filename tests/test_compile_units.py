@@ -14,7 +14,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from scorestack import schema
-from scorestack.compile import compile_model, load_spec, train_demo_models
+from scorestack.compile import compile_model, load_spec
+from scorestack.demo.train import train_demo_models
 from scorestack.compile.spec import parse_spec
 from scorestack.errors import SpecError, VerificationError
 

@@ -462,7 +462,7 @@ FORMATS = (("fraud_xgb", "onnx"), ("fraud_xgb", "native"), ("fraud_xgb", "tl2cge
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> tuple[Path, Path, dict[str, dict]]:
     """Small demo models, one spec per format the compiler emits, compiled by the command line."""
-    from scorestack.compile import train_demo_models
+    from scorestack.demo.train import train_demo_models
 
     root = tmp_path_factory.mktemp("deploy")
     models = root / "specs"

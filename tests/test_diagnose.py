@@ -24,7 +24,8 @@ import tritonclient.grpc as grpcclient
 import xgboost as xgb
 import yaml
 
-from scorestack import demo_data, schema
+from scorestack import schema
+from scorestack.demo import data as demo_data
 from scorestack.client.server_stats import SERVER_PHASES, parse_statistics
 from scorestack.compile import compile_model
 from scorestack.serve import LocalTriton
@@ -211,9 +212,10 @@ def test_passive_diagnosis_of_a_user_model_adds_up_to_tritons_statistics(deploym
 @pytest.fixture(scope="module")
 def feature_repo(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Path:
     from scorestack.features import store
+    from scorestack.demo import features as demo_features
 
     repo = tmp_path_factory.mktemp("diagnose_features") / "repo"
-    store.init_repo(repo, online="redis", redis_url=redis_url, n_users=100, n_items=50, project="diagnose_e2e")
+    demo_features.init_repo(repo, online="redis", redis_url=redis_url, n_users=100, n_items=50, project="diagnose_e2e")
     store.apply(repo)
     store.materialize(repo)
     return repo

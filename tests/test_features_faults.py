@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import redis
 
-from scorestack import demo_data, schema
+from scorestack import schema
+from scorestack.demo import data as demo_data
 from scorestack.features import store
+from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
 from scorestack.features.resilience import BreakerState
 
@@ -29,7 +31,7 @@ CASES = [("feast_async", "fraud"), ("direct", "fraud"), ("direct", "ranking")]
 
 @pytest.fixture
 def repo(private_redis, tmp_path):
-    repo = store.init_repo(tmp_path / "repo", online="redis", redis_url=private_redis.url, n_users=200, n_items=100)
+    repo = demo_features.init_repo(tmp_path / "repo", online="redis", redis_url=private_redis.url, n_users=200, n_items=100)
     store.apply(repo)
     store.materialize(repo)
     return repo

@@ -12,9 +12,11 @@ import pandas as pd
 import pytest
 import redis
 
-from scorestack import demo_data, schema
+from scorestack import schema
+from scorestack.demo import data as demo_data
 from scorestack.errors import FeatureError
 from scorestack.features import store
+from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
 
 N_USERS, N_ITEMS = 300, 200
@@ -35,7 +37,7 @@ def _clear_project(url: str, project: str) -> None:
 
 @pytest.fixture(scope="module")
 def sqlite_repo(tmp_path_factory) -> Path:
-    repo = store.init_repo(tmp_path_factory.mktemp("sqlite") / "repo", n_users=N_USERS, n_items=N_ITEMS, project=PROJECT)
+    repo = demo_features.init_repo(tmp_path_factory.mktemp("sqlite") / "repo", n_users=N_USERS, n_items=N_ITEMS, project=PROJECT)
     store.apply(repo)
     store.materialize(repo)
     return repo
@@ -45,7 +47,7 @@ def sqlite_repo(tmp_path_factory) -> Path:
 def redis_repo(tmp_path_factory, redis_url) -> Path:
     url = _redis_db(redis_url, 13)  # a db of our own on the shared Redis
     _clear_project(url, PROJECT)
-    repo = store.init_repo(tmp_path_factory.mktemp("redis") / "repo", online="redis", redis_url=url, n_users=N_USERS, n_items=N_ITEMS, project=PROJECT)
+    repo = demo_features.init_repo(tmp_path_factory.mktemp("redis") / "repo", online="redis", redis_url=url, n_users=N_USERS, n_items=N_ITEMS, project=PROJECT)
     store.apply(repo)
     store.materialize(repo)
     return repo
@@ -257,7 +259,7 @@ def _hmget_calls(client: redis.Redis) -> int:
 @pytest.mark.parametrize("backend", ["direct", "feast_async"])
 async def test_duplicate_entities_are_read_once_by_redis(private_redis, tmp_path, backend):
     """Counted by Redis itself: 50 fetches of 10 users, with and without coalescing."""
-    repo = store.init_repo(tmp_path / "repo", online="redis", redis_url=private_redis.url, n_users=50, n_items=10)
+    repo = demo_features.init_repo(tmp_path / "repo", online="redis", redis_url=private_redis.url, n_users=50, n_items=10)
     store.apply(repo)
     store.materialize(repo)
     admin = redis.Redis.from_url(private_redis.url, socket_timeout=5)

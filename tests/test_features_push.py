@@ -9,12 +9,13 @@ import pytest
 from scorestack import schema
 from scorestack.client.fraud import VELOCITY_UPDATE
 from scorestack.features import store
+from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
 from scorestack.features.push import FeatureWriter
 
 
 def _repo(tmp_path, online: str, redis_url: str | None, project: str):
-    repo = store.init_repo(tmp_path / "repo", online=online, redis_url=redis_url, n_users=60, n_items=5, project=project)
+    repo = demo_features.init_repo(tmp_path / "repo", online=online, redis_url=redis_url, n_users=60, n_items=5, project=project)
     store.apply(repo)
     store.materialize(repo)
     return repo

@@ -13,16 +13,18 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from scorestack import demo_data, schema
+from scorestack import schema
+from scorestack.demo import data as demo_data
 from scorestack.errors import FeatureError
 from scorestack.features import store
-from scorestack.features.cli import features_app
+from scorestack.demo import features as demo_features
+from scorestack.cli.features import features_app
 from scorestack.features.repo import definitions
 
 
 @pytest.fixture(scope="module")
 def sqlite_repo(tmp_path_factory) -> Path:
-    repo = store.init_repo(tmp_path_factory.mktemp("repo") / "feature_repo", n_users=200, n_items=100)
+    repo = demo_features.init_repo(tmp_path_factory.mktemp("repo") / "feature_repo", n_users=200, n_items=100)
     store.apply(repo)
     store.materialize(repo)
     return repo
@@ -67,7 +69,7 @@ def test_event_times_are_recent(sqlite_repo):
 
 
 def test_redis_config_bounds_every_call(tmp_path):
-    repo = store.init_repo(tmp_path / "r", online="redis", redis_url="redis://:s3cret@10.0.0.5:6380/4", n_users=10, n_items=10)
+    repo = demo_features.init_repo(tmp_path / "r", online="redis", redis_url="redis://:s3cret@10.0.0.5:6380/4", n_users=10, n_items=10)
     config = yaml.safe_load((repo / "feature_store.yaml").read_text())
     conn = config["online_store"]["connection_string"]
     assert conn.startswith("10.0.0.5:6380,db=4,password=s3cret,")
@@ -89,7 +91,7 @@ def test_redis_config_bounds_every_call(tmp_path):
 )
 def test_invalid_repo_settings_name_the_field(tmp_path, kwargs, field):
     with pytest.raises(FeatureError, match=field):
-        store.init_repo(tmp_path / "r", **kwargs)
+        demo_features.init_repo(tmp_path / "r", **kwargs)
 
 
 def test_feature_store_without_repo_says_how_to_create_it(tmp_path):
@@ -98,7 +100,7 @@ def test_feature_store_without_repo_says_how_to_create_it(tmp_path):
 
 
 def test_feast_cli_works_on_the_generated_repository(tmp_path):
-    repo = store.init_repo(tmp_path / "cli_repo", n_users=50, n_items=20)
+    repo = demo_features.init_repo(tmp_path / "cli_repo", n_users=50, n_items=20)
     feast = Path(sys.executable).with_name("feast")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     subprocess.run([str(feast), "apply"], cwd=repo, check=True, capture_output=True, env=env, timeout=120)

@@ -15,6 +15,7 @@ import pytest
 
 from scorestack.errors import FeatureError
 from scorestack.features import store
+from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
 from scorestack.serve.server import free_port
 
@@ -109,7 +110,7 @@ def _url(port: int, certs: dict[str, Path], *, client: bool = True, ca: bool = T
 
 async def test_tls_store_through_feast_and_every_reader(tls_redis, tmp_path):
     port, certs = tls_redis
-    repo = store.init_repo(tmp_path / "repo", online="redis", redis_url=_url(port, certs), n_users=40, n_items=30, project="t_tls")
+    repo = demo_features.init_repo(tmp_path / "repo", online="redis", redis_url=_url(port, certs), n_users=40, n_items=30, project="t_tls")
     assert "ssl=true" in (repo / "feature_store.yaml").read_text()
     store.apply(repo)
     store.materialize(repo)  # Feast's own writes go over TLS with the client certificate
@@ -128,11 +129,11 @@ async def test_tls_store_through_feast_and_every_reader(tls_redis, tmp_path):
 async def test_tls_without_the_right_ca_or_client_certificate_degrades(tls_redis, tmp_path):
     """A client that does not trust the server, or brings no certificate, never reads: defaults, and says why."""
     port, certs = tls_redis
-    good = store.init_repo(tmp_path / "good", online="redis", redis_url=_url(port, certs), n_users=10, n_items=5, project="t_tls_bad")
+    good = demo_features.init_repo(tmp_path / "good", online="redis", redis_url=_url(port, certs), n_users=10, n_items=5, project="t_tls_bad")
     store.apply(good)
     store.materialize(good)
     for name, url in (("no_ca", _url(port, certs, ca=False)), ("no_client_cert", _url(port, certs, client=False))):
-        repo = store.init_repo(tmp_path / name, online="redis", redis_url=url, n_users=10, n_items=5, project="t_tls_bad")
+        repo = demo_features.init_repo(tmp_path / name, online="redis", redis_url=url, n_users=10, n_items=5, project="t_tls_bad")
         store.apply(repo)
         async with FeatureFetcher(store.feature_store(repo), backend="direct", timeout_s=2.0) as fetcher:
             result = await fetcher.fetch("fraud", {"user_id": 1})

@@ -450,7 +450,7 @@ def test_features_get_command_on_a_user_repository(sqlite_store):
     """`scorestack features get` reads any service of any repository, request data included."""
     from typer.testing import CliRunner
 
-    from scorestack.features.cli import features_app
+    from scorestack.cli.features import features_app
 
     args = ["get", "driver_activity_v1", "--repo-dir", sqlite_store.repo_path, "--timeout-ms", "5000"]
     rows = ["--row", "driver_id=1001", "--row", "driver_id=9999", "--row", "val_to_add=3", "--row", "val_to_add_2=4"]

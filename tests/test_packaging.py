@@ -21,7 +21,9 @@ def test_wheel_installs_every_stage(tmp_path):
     (wheel,) = wheels.glob("scorestack-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in (
-        "scorestack/cli.py",
+        "scorestack/cli/__init__.py",
+        "scorestack/cli/__main__.py",
+        "scorestack/demo/__init__.py",
         "scorestack/compile/__init__.py",
         "scorestack/serve/server.py",
         "scorestack/serve/runtime/model.py",
@@ -33,7 +35,7 @@ def test_wheel_installs_every_stage(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True, timeout=300)
     # Import from outside the checkout, with the installed copy first on the path.
     code = (
-        "import scorestack, scorestack.serve, scorestack.compile, scorestack.features, scorestack.client;"
+        "import scorestack, scorestack.serve, scorestack.compile, scorestack.features, scorestack.client, scorestack.demo, scorestack.cli;"
         "from scorestack.serve import runtime_source;"
         "p = runtime_source(); assert p.exists(), p;"
         f"assert str(p).startswith({str(target)!r}), p;"

@@ -11,12 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scorestack import demo_data, schema
+from scorestack import schema
+from scorestack.demo import data as demo_data
 from scorestack.client.fraud import FraudService
 from scorestack.client.ranking import RankingService
 from scorestack.client.triton import TritonClient
 from scorestack.errors import InferenceError, RequestValidationError
 from scorestack.features import store
+from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
 from scorestack.serve import LocalTriton
 from scorestack.serve.server import free_port
@@ -57,7 +59,7 @@ def loop():
 @pytest.fixture(scope="module")
 def feature_repo(tmp_path_factory, redis_url):
     repo = tmp_path_factory.mktemp("features") / "repo"
-    store.init_repo(repo, online="redis", redis_url=redis_url, n_users=N_USERS, n_items=N_ITEMS, project="e2e_request_path")
+    demo_features.init_repo(repo, online="redis", redis_url=redis_url, n_users=N_USERS, n_items=N_ITEMS, project="e2e_request_path")
     store.apply(repo)
     store.materialize(repo)
     return repo
@@ -341,7 +343,7 @@ def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, 
 
 def test_redis_stopped_gives_degraded_score(loop, triton, private_redis, tmp_path):
     repo = tmp_path / "repo"
-    store.init_repo(repo, online="redis", redis_url=private_redis.url, n_users=50, n_items=50, project="e2e_redis_down")
+    demo_features.init_repo(repo, online="redis", redis_url=private_redis.url, n_users=50, n_items=50, project="e2e_redis_down")
     store.apply(repo)
     store.materialize(repo)
     client, fetcher = _open(loop, triton.grpc_url, repo, deadline_s=2.0, timeout_s=0.02, cache=False)

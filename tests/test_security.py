@@ -22,12 +22,14 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import ServeOutput
 
-from scorestack import demo_data, limits, schema
+from scorestack import limits, schema
+from scorestack.demo import data as demo_data
 from scorestack.client.diagnose import server_snapshot
 from scorestack.client.fraud import FraudService
 from scorestack.client.triton import ModelInfo, TensorInfo, TritonClient
 from scorestack.errors import AdminKeyError, RequestValidationError, TlsError
 from scorestack.features import store
+from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
 from scorestack.serve import LocalTriton
 from scorestack.serve.control import load_version, unload_model
@@ -89,7 +91,7 @@ def fraud_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def feature_repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("security_features") / "repo"
-    store.init_repo(repo, online="sqlite", n_users=N_USERS, n_items=10, project="security_test")
+    demo_features.init_repo(repo, online="sqlite", n_users=N_USERS, n_items=10, project="security_test")
     store.apply(repo)
     store.materialize(repo)
     return repo

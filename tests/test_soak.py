@@ -23,6 +23,7 @@ import yaml
 
 from scorestack.compile import compile_model
 from scorestack.features import store
+from scorestack.demo import features as demo_features
 from scorestack.serve import LocalTriton
 from scorestack.serve.server import free_port
 
@@ -49,7 +50,7 @@ def _load_soak() -> ModuleType:
 @pytest.fixture(scope="module")
 def feature_repo(tmp_path_factory, redis_url):
     repo = tmp_path_factory.mktemp("features") / "repo"
-    store.init_repo(repo, online="redis", redis_url=redis_url, n_users=N_USERS, project="e2e_soak")
+    demo_features.init_repo(repo, online="redis", redis_url=redis_url, n_users=N_USERS, project="e2e_soak")
     store.apply(repo)
     store.materialize(repo)
     return repo

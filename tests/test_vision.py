@@ -17,7 +17,7 @@ from scorestack import schema
 from scorestack.client.triton import TritonClient
 from scorestack.client.vision import VisionService
 from scorestack.compile import compile_model
-from scorestack.compile.demo import VISION_MODELS, train_vision_models
+from scorestack.demo.train import VISION_MODELS, train_vision_models
 from scorestack.compile.spec import load_spec
 from scorestack.errors import OverloadedError, RequestValidationError, SpecError
 from scorestack.serve import LocalTriton

@@ -1,4 +1,4 @@
-"""`scorestack features ...`: create, apply and materialize the demo feature repository; read from it."""
+"""`scorestack features ...`: write, apply and materialize a feature repository (with the demo's tables); read from any."""
 
 from __future__ import annotations
 
@@ -8,17 +8,15 @@ from typing import Optional
 
 import typer
 
+from .errors import reported
+
 features_app = typer.Typer(no_args_is_help=True, add_completion=False, help="The Feast feature repository (fraud, ranking) and its online store.")
 
 _REPO_DIR = typer.Option(None, "--repo-dir", help="Working feature repository [default: <workspace>/feature_repo].")
 
 
-def _fail(exc: Exception) -> None:
-    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(1)
-
-
 @features_app.command("apply")
+@reported
 def apply_command(
     repo_dir: Optional[Path] = _REPO_DIR,
     online: str = typer.Option("sqlite", "--online", help="Online store: sqlite (embedded) or redis."),
@@ -26,31 +24,29 @@ def apply_command(
     users: int = typer.Option(5000, "--users", help="Demo users to generate."),
     items: int = typer.Option(2000, "--items", help="Demo items to generate."),
 ) -> None:
-    """Write the feature repository (definitions, feature_store.yaml, demo data) and register it with Feast."""
-    from scorestack.errors import FeatureError
+    """Write the feature repository (definitions, feature_store.yaml, the demo's users and items) and register it with Feast."""
+    from scorestack.demo.features import init_repo
     from scorestack.features import store
 
-    try:
-        repo = store.init_repo(repo_dir, online=online, redis_url=redis_url, n_users=users, n_items=items)  # type: ignore[arg-type]
-        store.apply(repo)
-    except FeatureError as exc:
-        _fail(exc)
+    repo = init_repo(repo_dir, online=online, redis_url=redis_url, n_users=users, n_items=items)  # type: ignore[arg-type]
+    store.apply(repo)
     typer.echo(f"feature repository applied: {repo} (online store: {online}); next: scorestack features materialize --repo-dir {repo}")
 
 
 @features_app.command("materialize")
+@reported
 def materialize_command(
     repo_dir: Optional[Path] = _REPO_DIR,
     restamp: bool = typer.Option(False, "--restamp", help="First move the demo data's event times to now (a day-old demo reads as stale)."),
 ) -> None:
     """Load the repository's data into its online store."""
-    from scorestack.errors import FeatureError
     from scorestack.features import store
 
-    try:
-        fs = store.materialize(repo_dir, restamp_data=restamp)
-    except FeatureError as exc:
-        _fail(exc)
+    if restamp:
+        from scorestack.demo.features import restamp as restamp_demo_tables
+
+        restamp_demo_tables(repo_dir)
+    fs = store.materialize(repo_dir)
     typer.echo(f"materialized into the {fs.config.online_store.type} online store of {fs.repo_path}")
 
 
@@ -72,6 +68,7 @@ def _typed(text: str, dtype: str):
 
 
 @features_app.command("get")
+@reported
 def get_command(
     service: str = typer.Argument(..., help="Feature service (e.g. fraud, ranking, or any service of the repository)."),
     user_id: Optional[int] = typer.Option(None, "--user-id"),
@@ -100,10 +97,7 @@ def get_command(
             rows = {k: v[0] if len(v) == 1 else v for k, v in columns.items()}
             return await fetcher.fetch(service, rows)
 
-    try:
-        result = asyncio.run(run())
-    except FeatureError as exc:
-        _fail(exc)
+    result = asyncio.run(run())
     typer.echo(
         f"{result.service} via {result.backend}: {result.values.shape[0]} row(s), degraded={result.degraded}"
         f"{f' ({result.reason})' if result.reason else ''}, {result.timings.total_s * 1e3:.2f} ms"
@@ -111,8 +105,3 @@ def get_command(
     for r in range(result.values.shape[0]):
         for name, value, code in zip(result.feature_names, result.values[r], result.status[r]):
             typer.echo(f"  [{r}] {name:32s} {value:12.4f}  {FeatureStatus(int(code)).name.lower()}")
-
-
-def register(app: typer.Typer, demo_app: typer.Typer) -> None:
-    """Add `scorestack features` (apply, materialize, get)."""
-    app.add_typer(features_app, name="features")

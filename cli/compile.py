@@ -1,4 +1,4 @@
-"""`scorestack compile` and `scorestack demo train`; heavy modules are imported inside the commands."""
+"""`scorestack compile`: specs to verified, measured Triton model folders (heavy modules load inside the command)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ from typing import Optional
 
 import typer
 
+from .errors import reported
 
+
+@reported
 def compile_command(
     specs: list[Path] = typer.Argument(..., help="Model spec YAML files to compile.", show_default=False),
-    repository: Optional[Path] = typer.Option(None, "--repository", "-r", help="Triton model repository to write (default: ./model_repository)."),
+    repository: Optional[Path] = typer.Option(None, "--repository", "-r", help="Triton model repository to write (default: ./model_repository, or $SCORESTACK_REPOSITORY)."),
     jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Specs compiled at once, each in its own process (timings share the CPUs)."),
     force: bool = typer.Option(False, "--force", "-f", help="Recompile even when spec, source and held-out rows are unchanged."),
     serve_check: bool = typer.Option(True, "--serve-check/--no-serve-check", help="Load each new model in the local Triton and check it over gRPC before it joins the repository."),
@@ -30,9 +33,8 @@ def compile_command(
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from scorestack.compile import compile_many
     from scorestack.paths import default_repository
-
-    from .jobs import compile_many
 
     console = Console()
     repo = repository or default_repository()
@@ -75,32 +77,3 @@ def compile_command(
         console.print(f"[red]{r.name}[/] ({r.spec}):\n{r.error}")
     if failed or swap_errors:
         raise typer.Exit(code=1)
-
-
-def train_command(
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for models, held-out rows and specs (default: <workspace>/models)."),
-    vision: bool = typer.Option(False, "--vision/--no-vision", help="Also train the image classifiers (a small CNN and a small residual network on upsampled digits)."),
-) -> None:
-    """Train the demo models (fraud XGBoost, fraud scikit-learn, XGBRanker; with --vision the digit CNNs) and write their specs."""
-    from rich.console import Console
-
-    from scorestack.paths import workspace
-
-    from .demo import train_demo_models
-
-    out_dir = out or workspace() / "models"
-    console = Console()
-    with console.status(f"training demo models into {out_dir}"):
-        specs = train_demo_models(out_dir)
-    if vision:
-        from .demo import train_vision_models
-
-        with console.status(f"training the vision demo models into {out_dir}"):
-            specs += train_vision_models(out_dir)
-    for s in specs:
-        console.print(f"spec: {s}")
-
-
-def register(app: typer.Typer, demo_app: typer.Typer) -> None:
-    app.command("compile")(compile_command)
-    demo_app.command("train")(train_command)

@@ -1,4 +1,4 @@
-"""`scorestack serve` and `scorestack server-env`."""
+"""`scorestack serve`, `scorestack server-env` and `scorestack dev-certs`: the local Triton's commands."""
 
 from __future__ import annotations
 
@@ -9,15 +9,12 @@ from typing import Optional
 
 import typer
 
-
-def register(app: typer.Typer, demo_app: typer.Typer) -> None:
-    app.command("serve")(serve)
-    app.command("server-env")(server_env)
-    app.command("dev-certs")(dev_certs)
+from .errors import BadInvocation, reported
 
 
+@reported
 def serve(
-    repository: Path = typer.Option(None, "--repository", "-r", help="Model repository (default ./model_repository)."),
+    repository: Path = typer.Option(None, "--repository", "-r", help="Model repository (default ./model_repository, or $SCORESTACK_REPOSITORY)."),
     grpc_port: Optional[int] = typer.Option(None, help="gRPC port (default: a free port)."),
     http_port: Optional[int] = typer.Option(None, help="HTTP port (default: a free port)."),
     metrics_port: Optional[int] = typer.Option(None, help="Prometheus metrics port (default: a free port)."),
@@ -51,18 +48,15 @@ def serve(
     try:
         admin_key = load_admin_key(admin_key_file)
         tls = ServerTls.from_dir(tls_dir, mutual=mtls) if tls_dir else None
-    except ScorestackError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
+    except ScorestackError as exc:  # the key or certificates the command line points to
+        raise BadInvocation(str(exc)) from exc
     if mtls and tls is None:
-        console.print("[red]error:[/red] --mtls needs --tls-dir DIR (with ca.crt, server.crt, server.key)")
-        raise typer.Exit(2)
+        raise BadInvocation("--mtls needs --tls-dir DIR (with ca.crt, server.crt, server.key)")
     if admin_key is None and not is_loopback(host) and not allow_open_admin:
-        console.print(
-            f"[red]error:[/red] serving on {host} without an admin key would let anyone who reaches the port load and unload "
+        raise BadInvocation(
+            f"serving on {host} without an admin key would let anyone who reaches the port load and unload "
             f"models: set {ADMIN_KEY_ENV} or {ADMIN_KEY_FILE_ENV} (or --admin-key-file), or pass --allow-open-admin"
         )
-        raise typer.Exit(2)
     server = LocalTriton(
         repository,
         grpc_port=grpc_port,
@@ -75,12 +69,8 @@ def serve(
         admin_key=admin_key,
         tls=tls,
     )
-    try:
-        with console.status("starting tritonserver (first run creates the server environment: a few minutes)"):
-            server.start()
-    except ScorestackError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1)
+    with console.status("starting tritonserver (first run creates the server environment: a few minutes)"):
+        server.start()
     console.print(f"[green]Triton ready[/green] serving {', '.join(server.ready_models()) or 'no models'} from {repository}")
     for name, status in sorted(server.model_status.items()):
         if status.ready:
@@ -116,21 +106,18 @@ def serve(
         console.print("stopped")
 
 
+@reported
 def server_env(
     path: Optional[Path] = typer.Option(None, help="Where to create it (default $SCORESTACK_HOME/server-env-<hash>)."),
 ) -> None:
     """Create (once) the managed server environment holding tritonserver, and print where it is."""
-    from scorestack.errors import ScorestackError
     from scorestack.serve import ensure_server_environment
 
-    try:
-        env = ensure_server_environment(path, quiet=False)
-    except ScorestackError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1)
+    env = ensure_server_environment(path, quiet=False)
     typer.echo(f"server environment: {env.root}\ntritonserver: {env.tritonserver}")
 
 
+@reported
 def dev_certs(
     directory: Path = typer.Argument(..., help="Where to write ca.crt, server.crt/.key and client.crt/.key."),
     host: list[str] = typer.Option(["127.0.0.1", "localhost"], "--host", help="Names and addresses the server certificate is valid for (repeat)."),

@@ -1,4 +1,4 @@
-"""`scorestack diagnose`: where time goes on any running Triton (and the request path in front of it)."""
+"""`scorestack diagnose`: where time goes on any running Triton (and the request path in front of it); with no model, rows or window it sends the demo's traffic (scorestack.demo.traffic)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,10 @@ from typing import Optional
 
 import typer
 
-
-def register(app: typer.Typer, demo_app: typer.Typer) -> None:
-    app.command("diagnose")(diagnose)
+from .errors import BadInvocation, reported
 
 
-_DEMO_DEFAULTS = {"fraud_requests": 200, "ranking_requests": 50, "candidates": 200, "users": 5000, "items": 2000}
-
-
+@reported
 def diagnose(
     url: str = typer.Option(..., "--url", help="Triton gRPC address, e.g. 127.0.0.1:8001."),
     models: list[str] = typer.Option([], "--model", "-m", help="Model to diagnose (repeat for several; default: every ready model)."),
@@ -60,13 +56,11 @@ def diagnose(
 
     Triton's statistics API may be restricted: the admin key comes from SCORESTACK_ADMIN_KEY or SCORESTACK_ADMIN_KEY_FILE, never from the command line."""
     from rich.console import Console
+    from rich.markup import escape
 
     from scorestack import paths
     from scorestack.client import diagnose as dg
-    from scorestack.errors import ScorestackError
     from scorestack.serve.security import ClientTls
-
-    from rich.markup import escape
 
     # No wrapping: messages stay one line each, for logs and for whoever reads them by line.
     err = Console(stderr=True, soft_wrap=True)
@@ -104,12 +98,8 @@ def diagnose(
                 metrics_port=metrics_port, metrics_address=metrics_address,
             )  # fmt: skip
             return
-    except ScorestackError as exc:
-        err.print(f"[red]error:[/red] {escape(str(exc))}")
-        raise typer.Exit(1)
-    except ValueError as exc:
-        err.print(f"[red]error:[/red] {escape(str(exc))}")
-        raise typer.Exit(2)
+    except ValueError as exc:  # a value the command line gave (a window, rows for several models)
+        raise BadInvocation(str(exc)) from exc
     if json_out:
         print(json.dumps(dg.to_json(result, url=url, stats_file=str(stats_file)), indent=1))
     else:
@@ -125,7 +115,7 @@ async def _replay_all(target, rows: Path | None, requests: int, concurrency: int
 
     models = list(target.models)
     if not models:
-        raise ValueError("--rows replays into one model: name it with --model")
+        raise BadInvocation("--rows replays into one model: name it with --model")
     out = []
     for model in models:
         if rows is not None:
@@ -143,13 +133,12 @@ def _demo(url: str, feature_repo: Path | None, fraud_model: str, ranking_model: 
     from dataclasses import asdict
 
     from rich.console import Console
-    from rich.markup import escape
 
     from scorestack import paths
-    from scorestack.client.diagnose import diagnosis_line, render, run_diagnosis
-    from scorestack.errors import ScorestackError
+    from scorestack.client.diagnose import diagnosis_line, render
+    from scorestack.demo.traffic import DEFAULTS, run_diagnosis
 
-    n = {k: counts.get(k) if counts.get(k) is not None else v for k, v in _DEMO_DEFAULTS.items()}
+    n = {k: counts.get(k) if counts.get(k) is not None else v for k, v in DEFAULTS.items()}
     repo = feature_repo or paths.workspace() / "feature_repo"
     err.print("no --model, --rows or --window: sending the demo's fraud and ranking traffic (--window S watches your own traffic)")
     registry = http = None
@@ -168,9 +157,6 @@ def _demo(url: str, feature_repo: Path | None, fraud_model: str, ranking_model: 
                 fraud_model=fraud_model, ranking_model=ranking_model, n_users=n["users"], n_items=n["items"], tls=tls, registry=registry,
             )  # fmt: skip
         )
-    except ScorestackError as exc:
-        err.print(f"[red]error:[/red] {escape(str(exc))}")
-        raise typer.Exit(1)
     finally:
         if http is not None:
             http.shutdown()

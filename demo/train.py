@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from scorestack import demo_data, schema
+from scorestack import schema
+from scorestack.demo import data as demo_data
 
 DEMO_MODELS = ("fraud_xgb", "fraud_sklearn", "ranking_xgb")
 # Online fraud scoring: mostly single requests, small dynamic batches under load.
@@ -144,9 +145,9 @@ def train_vision_models(out_dir: str | Path, *, names: tuple[str, ...] = VISION_
     digits_holdout.npz (held-out images with labels: verification and accuracy)."""
     import torch
 
-    from .vision import to_float
-    from .vision_models import SmallCNN, SmallResNet, TrainData, train
-    from .spec import ImageSpec
+    from scorestack.compile.spec import ImageSpec
+    from scorestack.compile.vision import to_float
+    from scorestack.compile.vision_models import SmallCNN, SmallResNet, TrainData, train
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
