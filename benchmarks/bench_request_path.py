@@ -20,14 +20,17 @@ from pathlib import Path
 
 import numpy as np
 
-from scorestack import demo_data, paths
+from scorestack import paths
+from scorestack.demo import data as demo_data
 from scorestack.client.diagnose import measure
 from scorestack.client.fraud import FraudService
 from scorestack.client.ranking import RankingService
 from scorestack.client.triton import TritonClient
-from scorestack.compile import compile_model, train_demo_models
+from scorestack.compile import compile_model
+from scorestack.demo.train import train_demo_models
 from scorestack.errors import OverloadedError
 from scorestack.features import store
+from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
 from scorestack.serve import LocalTriton
 
@@ -95,7 +98,7 @@ def main() -> None:
         compile_model(specs[name], repository)
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     repo = ws / "feature_repo_bench"
-    store.init_repo(repo, online="redis", redis_url=redis_url, project="bench_request_path")
+    demo_features.init_repo(repo, online="redis", redis_url=redis_url, project="bench_request_path")
     store.apply(repo)
     store.materialize(repo)
     with LocalTriton(repository, models=["fraud_xgb", "ranking_xgb"]) as server:
