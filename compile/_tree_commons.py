@@ -21,27 +21,72 @@ HUMMINGBIRD_MAX_DEPTH = 12
 TL2CGEN_ARTIFACT = "model-tl2cgen.so"  # a name no `import` can resolve (see emit.check_artifact_name)
 
 
+# Scores a whole row-major float32 batch in one call (TL2cgen's own entry point scores one row of
+# its `union Entry`, and tl2cgen.Predictor's DMatrix + thread pool cost ~18 µs a call: more than
+# the trees of a fraud model at batch 1). NaN becomes TL2cgen's "missing" (-1), as in its DMatrix.
+TL2CGEN_BATCH_SHIM = """
+#include "header.h"
+
+const char* scorestack_result_type(void) {{ return "{ctype}"; }}
+void scorestack_output_shape(int64_t* shape) {{ shape[0] = N_TARGET; shape[1] = MAX_N_CLASS; }}
+
+int scorestack_predict_batch(const float* X, int64_t n_rows, int32_t n_cols, int pred_margin, {ctype}* out) {{
+  if (n_cols != get_num_feature()) return -1;
+  union Entry* row = (union Entry*)malloc(sizeof(union Entry) * (size_t)n_cols);
+  if (row == NULL) return -2;
+  const int64_t n_out = (int64_t)N_TARGET * MAX_N_CLASS;
+  for (int64_t i = 0; i < n_rows; ++i) {{
+    const float* x = X + i * n_cols;
+    for (int32_t j = 0; j < n_cols; ++j) {{
+      if (isnan(x[j])) {{ row[j].missing = -1; }} else {{ row[j].fvalue = x[j]; }}
+    }}
+    {ctype}* r = out + i * n_out;
+    for (int64_t k = 0; k < n_out; ++k) {{ r[k] = 0; }}
+    predict(row, pred_margin, r);
+  }}
+  free(row);
+  return 0;
+}}
+"""
+
+
 def compile_tl2cgen(treelite_model: Any, workdir: Path, ctx: ConvertContext, notes: list[str] | None = None) -> Artifact:
-    """Compile a Treelite model to a shared library with the machine's gcc."""
+    """Compile a Treelite model to a shared library with the machine's gcc.
+
+    TL2cgen generates the C code; scorestack adds one function (TL2CGEN_BATCH_SHIM) that scores a
+    whole float32 batch per call, which the model runtime calls through ctypes.
+    """
     if shutil.which("gcc") is None:
         raise Skip("gcc not found: TL2cgen needs a C compiler")
+    import json
+    import re
+
     import tl2cgen
 
-    # Not `model.so`: beside the runtime's model.py, Python would import the library as the model.
-    path = workdir / TL2CGEN_ARTIFACT
+    src = workdir / "tl2cgen-src"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tl2cgen.export_lib(
-            treelite_model,
-            toolchain="gcc",
-            libpath=str(path),
-            params={"parallel_comp": max(1, ctx.compile_threads * 2)},
-            nthread=ctx.compile_threads,
-        )
-    predictor = tl2cgen.Predictor(str(path), nthread=1)
-    raw = np.asarray(predictor.predict(tl2cgen.DMatrix(ctx.sample[:4])))
+        tl2cgen.generate_c_code(treelite_model, dirpath=str(src), params={"parallel_comp": max(1, ctx.compile_threads * 2)})
+    header = (src / "header.h").read_text()
+    match = re.search(r"void predict\(union Entry\* data, int pred_margin, (float|double)\* result\);", header)
+    if match is None:
+        raise Skip("TL2cgen generated an entry point this compiler does not know (no `predict(union Entry*, int, float|double*)` in header.h)")
+    shim = TL2CGEN_BATCH_SHIM.format(ctype=match.group(1))
+    (src / "scorestack_batch.c").write_text(shim)
+    recipe = json.loads((src / "recipe.json").read_text())
+    recipe["sources"].append({"name": "scorestack_batch", "length": shim.count("\n")})
+    (src / "recipe.json").write_text(json.dumps(recipe))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = Path(tl2cgen.create_shared("gcc", str(src), nthread=ctx.compile_threads))
+    # Not `model.so`: beside the runtime's model.py, Python would import the library as the model.
+    path = workdir / TL2CGEN_ARTIFACT
+    shutil.move(str(built), path)
+    shutil.rmtree(src, ignore_errors=True)
+    from scorestack.serve.runtime.scorestack_runtime import TL2cgenRunner
+
+    raw = np.asarray(TL2cgenRunner(str(path), 1, {}, ["y"]).run([("x", np.ascontiguousarray(ctx.sample[:4], dtype=np.float32))])[0])
     column = output_column(ctx.task, raw)
-    del predictor
     return Artifact("tl2cgen", "tl2cgen", "python", TL2CGEN_ARTIFACT, path, output_column=column, notes=list(notes or []))
 
 

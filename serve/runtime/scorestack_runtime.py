@@ -208,19 +208,66 @@ class SklearnRunner:
 
 
 class TL2cgenRunner:
-    """A TL2cgen shared library through tl2cgen.Predictor."""
+    """A TL2cgen shared library: one ctypes call per batch into the function the compiler added
+    (`scorestack_predict_batch`, compile/_tree_commons.py); a library without it (compiled before)
+    goes through tl2cgen.Predictor."""
+
+    # Below this many rows a thread pool costs more than it saves.
+    PARALLEL_MIN_ROWS = 256
 
     def __init__(self, path, threads, params, output_names):
+        import ctypes
+
+        self.threads = max(1, int(threads))
+        lib = ctypes.CDLL(os.path.abspath(path))
+        if hasattr(lib, "scorestack_predict_batch"):
+            lib.scorestack_result_type.restype = ctypes.c_char_p
+            self.dtype = np.float64 if lib.scorestack_result_type() == b"double" else np.float32
+            shape = (ctypes.c_int64 * 2)()
+            lib.scorestack_output_shape(shape)
+            self.shape = (int(shape[0]), int(shape[1]))  # (targets, classes), as tl2cgen.Predictor returns
+            self.n_outputs = self.shape[0] * self.shape[1]
+            fn = lib.scorestack_predict_batch
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            self.lib, self.batch = lib, fn  # ctypes releases the GIL during the call
+            self.pool = None
+            if self.threads > 1:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tl2cgen")
+            self.run = self._run_batch
+            return
         import tl2cgen
 
-        if threads > 1:
+        if self.threads > 1:
             # TL2cgen caps nthread at OpenMP's max threads, which the server environment sets to 1
             # (OMP_NUM_THREADS) so that instances do not oversubscribe; this instance was given more.
             from threadpoolctl import threadpool_limits
 
-            threadpool_limits(limits=threads, user_api="openmp")
+            threadpool_limits(limits=self.threads, user_api="openmp")
         self.dmatrix = tl2cgen.DMatrix
-        self.predictor = tl2cgen.Predictor(path, nthread=threads)
+        self.predictor = tl2cgen.Predictor(path, nthread=self.threads)
+
+    def _call(self, x, out, lo, hi):
+        n_cols = x.shape[1]
+        rc = self.batch(x.ctypes.data + lo * n_cols * 4, hi - lo, n_cols, 0, out.ctypes.data + lo * self.n_outputs * out.itemsize)
+        if rc != 0:
+            raise ValueError(f"TL2cgen library: {n_cols} input columns, the model was compiled for another number" if rc == -1 else f"TL2cgen library: error {rc}")
+
+    def _run_batch(self, inputs):
+        x = np.ascontiguousarray(inputs[0][1], dtype=np.float32)
+        n = x.shape[0]
+        # (rows, targets, classes): the shape tl2cgen.Predictor returns, so the compiler's output
+        # column means the same with either path.
+        out = np.empty((n, *self.shape), dtype=self.dtype)
+        if self.pool is None or n < self.PARALLEL_MIN_ROWS:
+            self._call(x, out, 0, n)
+        else:
+            step = -(-n // self.threads)
+            for f in [self.pool.submit(self._call, x, out, lo, min(n, lo + step)) for lo in range(0, n, step)]:
+                f.result()
+        return [out]
 
     def run(self, inputs):
         return [self.predictor.predict(self.dmatrix(inputs[0][1]))]

@@ -1,0 +1,55 @@
+"""The TL2cgen library's batch entry point (compile/_tree_commons.py) against TL2cgen's own Predictor
+and the source model: same numbers, every shape, missing values, both thread paths, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import treelite
+import tl2cgen
+import xgboost as xgb
+
+from scorestack.compile._tree_commons import compile_tl2cgen
+from scorestack.compile.registry import ConvertContext
+from scorestack.serve.runtime.scorestack_runtime import TL2cgenRunner
+
+CASES = {
+    "binary": ({"objective": "binary:logistic", "max_depth": 5}, lambda X: (np.nan_to_num(X[:, 0]) + X[:, 1] > 0).astype(int)),
+    "multiclass": ({"objective": "multi:softprob", "num_class": 3, "max_depth": 4}, lambda X: (np.nan_to_num(X[:, 0]) > 0).astype(int) + (X[:, 1] > 1)),
+    "regression": ({"objective": "reg:squarederror", "max_depth": 6}, lambda X: np.nan_to_num(X[:, 0]) * 3 + X[:, 1]),
+}
+
+
+@pytest.mark.parametrize("task", sorted(CASES))
+def test_batch_entry_point_equals_tl2cgen_predictor_and_the_source(task, tmp_path):
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=(1500, 13)).astype(np.float32)
+    X[::3, 0] = np.nan  # missing values take the tree's default branch, as in XGBoost
+    X[::11, 5] = np.nan
+    params, label = CASES[task]
+    booster = xgb.train(params, xgb.DMatrix(X, label(X)), 30)
+    art = compile_tl2cgen(treelite.frontend.from_xgboost(booster), tmp_path, ConvertContext(task=task, n_features=13, target="y", sample=X[:8]))
+    assert art.path.name == "model-tl2cgen.so" and sorted(p.name for p in tmp_path.iterdir()) == ["model-tl2cgen.so"]
+
+    reference = tl2cgen.Predictor(str(art.path), nthread=1).predict(tl2cgen.DMatrix(X))
+    one = TL2cgenRunner(str(art.path), 1, {}, ["y"])
+    two = TL2cgenRunner(str(art.path), 2, {}, ["y"])  # 1500 rows: split over two threads
+    assert one.pool is None and two.pool is not None  # the batch path, not the Predictor fallback
+    for runner in (one, two):
+        out = runner.run([("features", X)])[0]
+        assert out.shape == reference.shape and out.dtype == reference.dtype
+        np.testing.assert_array_equal(out, reference)
+    for n in (1, 2, 255, 256, 257):  # around the threads' cut-off, and a lone row
+        np.testing.assert_array_equal(two.run([("features", X[:n])])[0], reference[:n])
+    source = booster.predict(xgb.DMatrix(X)).reshape(len(X), -1)
+    np.testing.assert_allclose(reference.reshape(len(X), -1), source, atol=2e-6)
+
+
+def test_wrong_column_count_is_a_clear_error(tmp_path):
+    rng = np.random.default_rng(8)
+    X = rng.normal(size=(200, 6)).astype(np.float32)
+    booster = xgb.train({"objective": "binary:logistic"}, xgb.DMatrix(X, (X[:, 0] > 0).astype(int)), 5)
+    art = compile_tl2cgen(treelite.frontend.from_xgboost(booster), tmp_path, ConvertContext(task="binary", n_features=6, target="y", sample=X[:4]))
+    runner = TL2cgenRunner(str(art.path), 1, {}, ["y"])
+    with pytest.raises(ValueError, match="5 input columns"):
+        runner.run([("features", X[:, :5])])
