@@ -135,7 +135,7 @@ def bench_model(spec_path: Path, work: Path, rounds: int) -> dict:
 def width_sweep(spec_path: Path, work: Path, rounds: int) -> list[dict]:
     """Speed only: fp32 vs INT8 of SmallCNN at 1x, 2x and 4x the demo's widths (weights as initialized; the
     calibration images set the INT8 scales). Shows where INT8 starts to pay on this CPU."""
-    from scorestack.compile.loaders import SourceModel
+    from scorestack.compile.model import SourceModel
     from scorestack.compile.vision_models import SmallCNN
 
     spec = load_spec(spec_path)

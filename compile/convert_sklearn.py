@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ._tree_commons import ONNX_OPSET, compile_tl2cgen, hummingbird_onnx, save_onnx_contract
-from .loaders import SourceModel
+from .model import SourceModel
 from .registry import Artifact, ConvertContext, register_converter
 
 _TARGET_OPSET = {"": ONNX_OPSET, "ai.onnx.ml": 3}

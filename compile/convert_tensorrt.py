@@ -14,7 +14,7 @@ import numpy as np
 
 from scorestack import schema
 
-from .loaders import SourceModel
+from .model import SourceModel
 from .registry import Artifact, ConvertContext, Skip, converter_for, register_converter
 
 MAX_BATCH = 4096

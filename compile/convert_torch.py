@@ -12,7 +12,7 @@ import numpy as np
 
 from scorestack import schema
 
-from .loaders import SourceModel
+from .model import SourceModel
 from .registry import Artifact, ConvertContext, Skip, register_converter
 from .vision import ONNX, TORCHSCRIPT, VISION_FAMILIES, preprocess_module, served_module
 

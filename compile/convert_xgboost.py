@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ._tree_commons import ONNX_OPSET, compile_tl2cgen, hummingbird_onnx, save_onnx_contract, tree_depth
-from .loaders import SourceModel
+from .model import SourceModel
 from .registry import Artifact, ConvertContext, register_converter
 
 # onnxmltools' XGBoost converter supports ai.onnx opsets up to 15.

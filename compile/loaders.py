@@ -1,11 +1,10 @@
-"""Loaders: turn a spec's source file into a SourceModel with a reference `predict`, and read held-out rows."""
+"""Loaders: turn a spec's source file into a SourceModel (compile/model.py) with a reference `predict`, and read held-out rows."""
 
 from __future__ import annotations
 
 import json
 import pickle
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import numpy as np
 
 from scorestack.errors import SpecError
 
+from .model import Holdout, SourceModel
 from .spec import ModelSpec
 
 # Bare tree ensembles: TL2cgen (via Treelite) can compile these; pipelines and linear models it cannot.
@@ -33,99 +33,6 @@ _XGB_OBJECTIVES = {
     "regression": ("reg:", "count:poisson"),
     "ranking": ("rank:",),
 }
-
-
-@dataclass
-class SourceModel:
-    """A loaded model, its family (the registry key) and its reference predictions in the tensor contract.
-
-    `model` is an `xgboost.Booster` for the xgboost family and a fitted estimator for sklearn families.
-    """
-
-    name: str
-    task: str
-    family: str  # "xgboost" | "sklearn-trees" | "sklearn"
-    model: Any
-    n_features: int
-    n_classes: int | None = None
-    objective: str | None = None
-    description: str = ""
-    history: list[str] = field(default_factory=list)  # passes applied ("pruned to 120 trees", ...)
-    image: Any = None  # image-classification: the spec's ImageSpec (wire layout and folded preprocessing)
-    cache: dict[str, Any] = field(default_factory=dict, repr=False)  # e.g. an ONNX source's inference session
-
-    @property
-    def framework(self) -> str:
-        if self.image is not None:
-            return "torch" if self.family != "onnx-vision" else "onnx"
-        return "xgboost" if self.family == "xgboost" else "sklearn"
-
-    @property
-    def n_trees(self) -> int | None:
-        if self.image is not None:
-            return None
-        if self.family == "xgboost":
-            per_round = self.n_classes if self.task == "multiclass" and self.n_classes else 1
-            return int(self.model.num_boosted_rounds()) * per_round
-        est = self.model
-        for attr in ("n_iter_", "n_estimators_"):
-            if hasattr(est, attr):
-                return int(getattr(est, attr))
-        if hasattr(est, "estimators_"):
-            return len(est.estimators_)
-        return None
-
-    def predict(self, X: np.ndarray) -> np.ndarray:
-        """Reference scores through the library's standard predict path: [n, 1] (or [n, k] for multiclass and images)."""
-        if self.image is not None:
-            from .vision import predict
-
-            return predict(self, X)
-        X = np.ascontiguousarray(X, dtype=np.float32)
-        if self.family == "xgboost":
-            import xgboost as xgb
-
-            dm = xgb.DMatrix(X, feature_names=self.model.feature_names)
-            out = np.asarray(self.model.predict(dm))
-        elif self.task in ("binary", "multiclass"):
-            out = np.asarray(self.model.predict_proba(X))
-            if self.task == "binary":
-                out = out[:, 1]
-        else:
-            out = np.asarray(self.model.predict(X))
-        out = out.astype(np.float64, copy=False)
-        return out.reshape(len(X), -1)
-
-
-@dataclass(frozen=True)
-class Holdout:
-    """Held-out rows for verification and calibration; `groups` are query-group sizes for ranking."""
-
-    X: np.ndarray
-    y: np.ndarray | None
-    groups: np.ndarray | None
-
-    def __len__(self) -> int:
-        return len(self.X)
-
-    def group_ids(self) -> np.ndarray | None:
-        if self.groups is None:
-            return None
-        return np.repeat(np.arange(len(self.groups)), self.groups)
-
-    def subset_groups(self, start: int, stop: int) -> "Holdout":
-        """Whole groups [start, stop) (or a row range when there are no groups)."""
-        if self.groups is None:
-            sl = slice(start, stop)
-            return Holdout(self.X[sl], None if self.y is None else self.y[sl], None)
-        bounds = np.concatenate([[0], np.cumsum(self.groups)])
-        sl = slice(int(bounds[start]), int(bounds[stop]))
-        return Holdout(self.X[sl], None if self.y is None else self.y[sl], self.groups[start:stop])
-
-    def halves(self) -> tuple["Holdout", "Holdout"]:
-        n = len(self.groups) if self.groups is not None else len(self.X)
-        mid = n // 2
-        return self.subset_groups(0, mid), self.subset_groups(mid, n)
 
 
 def load_holdout(path: Path, spec: ModelSpec, source: str, field_name: str = "holdout") -> Holdout:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .loaders import Holdout, SourceModel
+from .model import Holdout, SourceModel
 from .report import PassReport
 from .spec import DistillationSpec, PruningSpec
 

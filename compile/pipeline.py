@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +19,10 @@ from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.worker import RuntimeWorker, WorkerError, project_python_worker
 
 from . import dispatch, emit, measure, passes, registry, verify, vision_passes
-from .loaders import Holdout, SourceModel, load_holdout, load_source
+from .loaders import load_holdout, load_source
+from .model import Holdout, SourceModel
 from .profile import BatchProfile, profile_for
-from .report import CandidateReport, CompileReport, DispatchReport, PassReport, ProfileReport, SelectedReport, ServeCheckReport, SourceReport, TritonSettings, render_markdown
+from .report import CandidateReport, CompileReport, DispatchReport, PassReport, SelectedReport, ServeCheckReport, TritonSettings, build_report, render_markdown
 from .serve_check import check_served
 from .spec import ModelSpec, load_spec
 
@@ -379,6 +378,58 @@ def _worker() -> tuple[RuntimeWorker, str]:
         return project_python_worker(), f"the project environment (no local server environment here: {exc})"
 
 
+def _select(
+    reports: list[CandidateReport],
+    candidates: dict[str, _Candidate],
+    dispatch_report: DispatchReport | None,
+    dispatched: _Candidate | None,
+    dispatch_threads: int,
+) -> tuple[_Candidate, SelectedReport]:
+    """The served candidate: the verified dispatch when there is one, else the single format with the
+    lowest weighted latency. Marks the chosen candidates' reports `selected`."""
+    if dispatched is not None and dispatch_report is not None:
+        selected = SelectedReport(
+            format="dispatch",
+            runtime=rt.DISPATCH,
+            backend="python",
+            artifact=dispatched.artifact.artifact_name,
+            artifacts=list(dict.fromkeys(b.artifact for b in dispatched.artifact.bands)),
+            threads=dispatch_threads,
+            weighted_latency_us=dispatch_report.weighted_latency_us or 0.0,
+            latency_us=dispatch_report.measured_us["dispatch"],
+        )
+        for r in reports:
+            if r.format in {b.format for b in dispatched.artifact.bands}:
+                r.status = "selected"
+        return dispatched, selected
+    best = min((r for r in reports if r.format in candidates), key=lambda r: r.weighted_latency_us or float("inf"))
+    best.status = "selected"
+    chosen = candidates[best.format]
+    return chosen, SelectedReport(
+        format=best.format,
+        runtime=chosen.artifact.runtime,
+        backend=chosen.artifact.backend,
+        artifact=chosen.artifact.artifact_name,
+        artifacts=[chosen.artifact.artifact_name],
+        threads=best.threads or 1,
+        weighted_latency_us=best.weighted_latency_us or 0.0,
+        latency_us=best.latency_us,
+        output_column=chosen.artifact.output_column,
+        method=chosen.artifact.method,
+    )
+
+
+def _serve_check(spec: ModelSpec, model: SourceModel, holdout: Holdout, chosen: _Candidate, folder: Path) -> ServeCheckReport:
+    """Load the staged model folder in the real local Triton and check it over gRPC (compile/serve_check.py)."""
+    art = chosen.artifact
+    if spec.is_vision and chosen.outputs is not None:
+        # What Triton serves must be what was verified: the selected candidate's own outputs
+        # in the server environment (an INT8 model is compared with itself, not with fp32).
+        return check_served(folder.parent, spec.name, _lookup(holdout.X, chosen.outputs), holdout, spec.task, spec.verification.tolerance, rows=len(holdout))
+    edge_sizes = sorted({n for b in art.bands for n in (b.min_rows, b.max_rows)})
+    return check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance, request_sizes=edge_sizes)
+
+
 def compile_model(
     spec_path: str | Path,
     repository: str | Path | None = None,
@@ -439,37 +490,7 @@ def compile_model(
             if spec.serving.dispatch and len(candidates) > 1 and not spec.is_vision:
                 dispatch_report, dispatched, dispatch_threads = _dispatch(spec, model, holdout, curves, candidates, weights, staging / "dispatch", worker)
             verified_in = dict(worker.info, kind=where)
-        if dispatched is not None and dispatch_report is not None:
-            chosen = dispatched
-            selected = SelectedReport(
-                format="dispatch",
-                runtime=rt.DISPATCH,
-                backend="python",
-                artifact=chosen.artifact.artifact_name,
-                artifacts=list(dict.fromkeys(b.artifact for b in chosen.artifact.bands)),
-                threads=dispatch_threads,
-                weighted_latency_us=dispatch_report.weighted_latency_us or 0.0,
-                latency_us=dispatch_report.measured_us["dispatch"],
-            )
-            for r in reports:
-                if r.format in {b.format for b in chosen.artifact.bands}:
-                    r.status = "selected"
-        else:
-            best = min((r for r in reports if r.format in candidates), key=lambda r: r.weighted_latency_us or float("inf"))
-            best.status = "selected"
-            chosen = candidates[best.format]
-            selected = SelectedReport(
-                format=best.format,
-                runtime=chosen.artifact.runtime,
-                backend=chosen.artifact.backend,
-                artifact=chosen.artifact.artifact_name,
-                artifacts=[chosen.artifact.artifact_name],
-                threads=best.threads or 1,
-                weighted_latency_us=best.weighted_latency_us or 0.0,
-                latency_us=best.latency_us,
-                output_column=chosen.artifact.output_column,
-                method=chosen.artifact.method,
-            )
+        chosen, selected = _select(reports, candidates, dispatch_report, dispatched, dispatch_threads)
         art = chosen.artifact
         cpus = os.cpu_count() or 1
         lat = {int(b): v for b, v in selected.latency_us.items()}
@@ -479,63 +500,14 @@ def compile_model(
         folder = staging / "repository" / spec.name
         shutil.copytree(chosen.version_dir, folder / str(version), symlinks=False)
         cfg = emit.write_config(folder, emit.build_config(spec, art, settings, _n_outputs(spec, model)))
-        report = CompileReport(
-            name=spec.name,
-            spec=str(spec_path),
-            content_hash=digest,
-            compiler_version=COMPILER_VERSION,
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            duration_s=0.0,
-            machine={"cpus": cpus, "platform": platform.platform(), "python": platform.python_version()},
-            source=SourceReport(
-                path=str(spec.source.path),
-                format=spec.source.format,
-                description=source.description,
-                family=source.family,
-                task=spec.task,
-                n_features=spec.n_features,
-                n_trees=source.n_trees,
-                final_model=model.description + (f" ({', '.join(model.history)})" if model.history else ""),
-                accuracy=verify.accuracy(model.predict(holdout.X), holdout.y) if spec.is_vision and holdout.y is not None else None,
-                input_shape=list(spec.inputs.image.shape) if spec.inputs.image is not None else None,
-            ),
-            holdout_rows=len(holdout),
-            tolerance=spec.verification.tolerance,
-            batch_sizes=list(sizes),
-            batch_weights={str(b): round(w, 4) for b, w in weights.items()},
-            latency_budget_ms=spec.serving.latency_budget_ms,
-            passes=pass_reports,
-            candidates=reports,
-            selected=selected,
-            dispatch=dispatch_report,
-            batch_profile=None if profile is None else ProfileReport(
-                file=str(Path(batch_profile).resolve()) if batch_profile is not None else "",
-                executions={str(b): n for b, n in profile.executions.items()},
-                requests=profile.requests,
-                rows=profile.rows,
-                requests_per_execution=round(profile.requests_per_execution, 3),
-            ),
-            triton=settings,
-            output={
-                "folder": str(dest),
-                "config": str(dest / "config.pbtxt"),
-                "artifacts": [str(dest / str(version) / f) for f in selected.artifacts],
-                "backend": cfg.backend,
-                "input": {"name": cfg.input[0].name, "dims": list(cfg.input[0].dims)},
-                "output": {"name": cfg.output[0].name, "dims": list(cfg.output[0].dims)},
-            },
-            version=version,
-            artifact_sha256={f"{version}/{name}": d for name, d in chosen.digests.items()},
-            verified_in=verified_in,
-        )
+        report = build_report(
+            spec, spec_path, source, model, holdout,
+            content_hash=digest, compiler_version=COMPILER_VERSION, sizes=sizes, weights=weights, passes=pass_reports,
+            candidates=reports, selected=selected, dispatch=dispatch_report, profile=profile, batch_profile=batch_profile,
+            settings=settings, config=cfg, dest=dest, version=version, digests=chosen.digests, verified_in=verified_in,
+        )  # fmt: skip
         if serve_check:
-            edge_sizes = sorted({n for b in art.bands for n in (b.min_rows, b.max_rows)})
-            if spec.is_vision and chosen.outputs is not None:
-                # What Triton serves must be what was verified: the selected candidate's own outputs
-                # in the server environment (an INT8 model is compared with itself, not with fp32).
-                report.serve_check = check_served(folder.parent, spec.name, _lookup(holdout.X, chosen.outputs), holdout, spec.task, spec.verification.tolerance, rows=len(holdout))
-            else:
-                report.serve_check = check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance, request_sizes=edge_sizes)
+            report.serve_check = _serve_check(spec, model, holdout, chosen, folder)
             if report.serve_check.status != "passed":
                 previous = f"version {existing[-1]} stays in place" if existing else "nothing was written"
                 raise VerificationError(

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from .model import Holdout, SourceModel
+    from .profile import BatchProfile
+    from .spec import ModelSpec
 
 
 class _Model(BaseModel):
@@ -155,6 +164,89 @@ class CompileReport(_Model):
     serve_check: ServeCheckReport | None = None
     dispatch: DispatchReport | None = None
     batch_profile: ProfileReport | None = None
+
+
+def build_report(
+    spec: "ModelSpec",
+    spec_path: Path,
+    source: "SourceModel",
+    model: "SourceModel",
+    holdout: "Holdout",
+    *,
+    content_hash: str,
+    compiler_version: str,
+    sizes: Sequence[int],
+    weights: Mapping[int, float],
+    passes: list[PassReport],
+    candidates: list[CandidateReport],
+    selected: SelectedReport,
+    dispatch: DispatchReport | None,
+    profile: "BatchProfile | None",
+    batch_profile: str | Path | None,
+    settings: TritonSettings,
+    config: Any,
+    dest: Path,
+    version: int,
+    digests: Mapping[str, str],
+    verified_in: dict[str, Any],
+) -> CompileReport:
+    """The report of one compile, before its serving check and duration are known.
+
+    `source` is the model as loaded, `model` the one candidates came from (after the passes);
+    `config` is the emitted Triton ModelConfig, `dest` the model's folder in the repository and
+    `digests` the selected version's files and their sha256.
+    """
+    from .verify import accuracy
+
+    return CompileReport(
+        name=spec.name,
+        spec=str(spec_path),
+        content_hash=content_hash,
+        compiler_version=compiler_version,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        duration_s=0.0,
+        machine={"cpus": os.cpu_count() or 1, "platform": platform.platform(), "python": platform.python_version()},
+        source=SourceReport(
+            path=str(spec.source.path),
+            format=spec.source.format,
+            description=source.description,
+            family=source.family,
+            task=spec.task,
+            n_features=spec.n_features,
+            n_trees=source.n_trees,
+            final_model=model.description + (f" ({', '.join(model.history)})" if model.history else ""),
+            accuracy=accuracy(model.predict(holdout.X), holdout.y) if spec.is_vision and holdout.y is not None else None,
+            input_shape=list(spec.inputs.image.shape) if spec.inputs.image is not None else None,
+        ),
+        holdout_rows=len(holdout),
+        tolerance=spec.verification.tolerance,
+        batch_sizes=list(sizes),
+        batch_weights={str(b): round(w, 4) for b, w in weights.items()},
+        latency_budget_ms=spec.serving.latency_budget_ms,
+        passes=passes,
+        candidates=candidates,
+        selected=selected,
+        dispatch=dispatch,
+        batch_profile=None if profile is None else ProfileReport(
+            file=str(Path(batch_profile).resolve()) if batch_profile is not None else "",
+            executions={str(b): n for b, n in profile.executions.items()},
+            requests=profile.requests,
+            rows=profile.rows,
+            requests_per_execution=round(profile.requests_per_execution, 3),
+        ),
+        triton=settings,
+        output={
+            "folder": str(dest),
+            "config": str(dest / "config.pbtxt"),
+            "artifacts": [str(dest / str(version) / f) for f in selected.artifacts],
+            "backend": config.backend,
+            "input": {"name": config.input[0].name, "dims": list(config.input[0].dims)},
+            "output": {"name": config.output[0].name, "dims": list(config.output[0].dims)},
+        },
+        version=version,
+        artifact_sha256={f"{version}/{name}": d for name, d in digests.items()},
+        verified_in=verified_in,
+    )
 
 
 def _env_line(env: dict[str, Any]) -> str:

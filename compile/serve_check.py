@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from scorestack.errors import ScorestackError
 
-from .loaders import Holdout
+from .model import Holdout
 from .report import ServeCheckReport
 from .verify import label_agreement, sample_indices
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from .loaders import Holdout
+from .model import Holdout
 
 # X, request sizes -> (outputs [n, k], {request index: error})
 Execute = Callable[[np.ndarray, list[int]], tuple[np.ndarray, dict[int, str]]]

@@ -114,7 +114,7 @@ def import_class(path: str) -> type:
 
 def load_vision_source(spec: ModelSpec, source: str):  # -> SourceModel
     """Load a torch-module / torchscript / onnx source, check its output width, and wrap it as a SourceModel."""
-    from .loaders import SourceModel
+    from .model import SourceModel
 
     src, image = spec.source, spec.inputs.image
     assert image is not None

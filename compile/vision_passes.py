@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .loaders import Holdout, SourceModel
+from .model import Holdout, SourceModel
 from .report import PassReport
 from .spec import ChannelPruningSpec, StudentSpec
 from .verify import accuracy
