@@ -30,6 +30,8 @@ COPY compile/ compile/
 COPY serve/ serve/
 COPY features/ features/
 COPY client/ client/
+COPY demo/ demo/
+COPY cli/ cli/
 RUN python -m pip install . \
     && scorestack server-env --path "$SCORESTACK_SERVER_ENV" \
     && rm -rf /opt/scorestack/src

@@ -1,4 +1,4 @@
-"""Where scorestack keeps its state: the managed server environment and the demo workspace."""
+"""Where scorestack keeps its state: the managed server environment, the project workspace (the demo's included) and the model repository."""
 
 from __future__ import annotations
 

@@ -188,3 +188,9 @@ def test_the_ground_floor_holds_only_the_shared_vocabulary():
 def test_the_floors_on_top_are_installed_packages(folder):
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'"{FLOORS[folder]}" = "{folder}"' in pyproject and f'"{FLOORS[folder]}",' in pyproject
+
+
+def test_the_image_copies_every_installed_folder():
+    """The Dockerfile installs the project with `pip install .`: every folder pyproject.toml maps must be in the build."""
+    copied = {line.split()[1].rstrip("/") for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")}
+    assert set(FLOORS) - copied == set()
