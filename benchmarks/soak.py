@@ -1,16 +1,20 @@
 """Soak: fraud requests at 70% of the measured maximum throughput for minutes, watching errors, tails and memory.
 
 The real request path end to end: `FraudService.score` with features read from Redis through the
-`FeatureFetcher`, inference on the local Triton serving the demo models. Three phases:
+`FeatureFetcher`, inference on the local Triton serving the demo models. The load comes from
+`--clients` processes (default 2), each with its own event loop, Triton client and feature fetcher,
+as a fraud service scales out: one Python process spends ~3 ms of CPU per paced request, and a
+single event loop 80-90% busy made its own tails (results/soak.md of 2026-12-01 morning: p99 per
+minute 0.47-1.81x of the first at 333 req/s, one queue-timeout error). Three phases:
 
 1. warm-up (metadata, channel, feature cache), then the **maximum throughput**: a closed loop at a
-   fixed concurrency (default 16) for ~15 s gives the rate to start from, and open-loop steps of
-   `step_s` (default 8 s) at 100%, 90%, 80%, ... of it find the **sustainable maximum**: the highest
-   offered rate the stack keeps up with (no errors, under 1% of requests started late). An open loop
-   costs the client more per request than a closed one (a task and a timer per request, no
-   back-pressure), and on this machine the Python client is a bottleneck: 70% of the closed-loop
-   rate kept its event loop 95% busy and its p99 swinging 0.4-6.6x (results/soak.md of 2026-11-30);
-2. an **open loop** at `utilization` (default 0.7) of the sustainable maximum: request i is due at t0 + i/rate
+   fixed concurrency (default 16, split over the clients) for ~15 s gives the rate to start from,
+   and open-loop steps of `step_s` (default 8 s) at 100%, 90%, 80%, ... of it find the
+   **sustainable maximum**: the highest offered rate the stack keeps up with (no errors, under 1%
+   of requests started late). An open loop costs the client more per request than a closed one (a
+   task and a timer per request, no back-pressure);
+2. an **open loop** at `utilization` (default 0.7) of the sustainable maximum: request i is due at
+   t0 + i/rate (the clients interleave the one schedule: client j sends i = j, j + n, ...)
    and runs as its own asyncio task whatever the previous ones are doing, so a slow server cannot
    slow the offered load down (a closed loop would hide exactly that). Latency is measured from the
    due time, not from the actual start, for the same reason. In-flight requests are capped (memory
@@ -19,8 +23,8 @@ The real request path end to end: `FraudService.score` with features read from R
 3. every `window_s` (default 60 s): requests sent, answered, errors by exception class (an
    OverloadedError is an error too), degraded feature results (answered, with defaults),
    p50/p99/max latency of the requests answered in the window, resident memory (VmRSS) of
-   tritonserver, of its child processes (the Python backend stubs, summed) and of this process,
-   and CPU use (client, its event-loop thread, server, and the rest of the machine: on a shared
+   tritonserver, of its child processes (the Python backend stubs, summed) and of the clients
+   (summed), and CPU use (clients, the busiest event-loop thread, server, and the rest of the machine: on a shared
    machine a stall of someone else's making must not pass for one of ours). The first message of
    each error class is kept.
 
@@ -114,18 +118,20 @@ def descendants(root: int) -> list[int]:
     return sorted(found)
 
 
-def memory_sample(server_pid: int) -> dict[str, Any]:
-    """RSS of tritonserver, its descendants (the Python backend stubs) summed, and this process."""
+def memory_sample(server_pid: int, client_pids: list[int] | None = None) -> dict[str, Any]:
+    """RSS of tritonserver, its descendants (the Python backend stubs) summed, and the client processes summed."""
     stubs = [(pid, rss_mib(pid)) for pid in descendants(server_pid)]
     stubs = [(pid, rss) for pid, rss in stubs if rss is not None]
     server = rss_mib(server_pid) or 0.0
     stubs_total = sum(rss for _, rss in stubs)
+    clients = client_pids or [os.getpid()]
     return {
         "tritonserver_mib": round(server, 1),
         "stubs_mib": round(stubs_total, 1),
         "n_stubs": len(stubs),
         "server_total_mib": round(server + stubs_total, 1),
-        "client_mib": round(rss_mib(os.getpid()) or 0.0, 1),
+        "client_mib": round(sum(rss_mib(pid) or 0.0 for pid in clients), 1),
+        "n_clients": len(clients),
         "stubs": [{"pid": pid, "name": _process_name(pid), "rss_mib": round(rss, 1)} for pid, rss in stubs],
     }
 
@@ -151,22 +157,24 @@ def host_busy_seconds() -> float:
 
 
 class CpuMeter:
-    """CPU used between two `lap`s, in % of one core: this process, tritonserver + stubs, the machine.
+    """CPU used between two `lap`s, in % of one core: the client processes, tritonserver + stubs, the machine.
 
     A soak on a shared machine can stall because something else took the cores; `other_pct`
     (machine minus client minus server; Redis is in it) tells that apart from a stall of our own.
+    `client_loop_thread_pct` is the busiest client's main thread (its event loop): near 100% of a
+    core, that client is the bottleneck.
     """
 
-    def __init__(self, server_pid: int) -> None:
+    def __init__(self, server_pid: int, client_pids: list[int] | None = None) -> None:
         self.server_pid = server_pid
+        self.client_pids = client_pids or [os.getpid()]
         self._last = self._read()
 
-    def _read(self) -> tuple[float, float, float, float, float]:
+    def _read(self) -> tuple[float, float, list[float], float, float]:
         server = cpu_seconds(self.server_pid) + sum(cpu_seconds(p) for p in descendants(self.server_pid))
-        pid = os.getpid()
-        # The main thread runs the event loop: near 100% of a core, the client is the bottleneck.
-        loop_thread = cpu_seconds(f"{pid}/task/{pid}")
-        return time.monotonic(), cpu_seconds(pid), loop_thread, server, host_busy_seconds()
+        clients = sum(cpu_seconds(pid) for pid in self.client_pids)
+        loops = [cpu_seconds(f"{pid}/task/{pid}") for pid in self.client_pids]
+        return time.monotonic(), clients, loops, server, host_busy_seconds()
 
     def lap(self) -> dict[str, float]:
         now = self._read()
@@ -176,7 +184,7 @@ class CpuMeter:
         client, server, host = (c1 - c0) / wall * 100, (s1 - s0) / wall * 100, (h1 - h0) / wall * 100
         return {
             "client_pct": round(client, 1),
-            "client_loop_thread_pct": round((l1 - l0) / wall * 100, 1),
+            "client_loop_thread_pct": round(max((b - a) for a, b in zip(l0, l1)) / wall * 100, 1),
             "server_pct": round(server, 1),
             "host_pct": round(host, 1),
             "other_pct": round(max(host - client - server, 0.0), 1),
@@ -276,8 +284,7 @@ class Window:
         self.n += 1
 
     def close(self, index: int, start_s: float, end_s: float) -> dict[str, Any]:
-        lat = self.latencies_ms[: self.n]
-        p50, p99, mx = (float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), float(lat.max())) if self.n else (None, None, None)
+        """This window's part of one client: counts and its raw latencies (merged by `merge_windows`)."""
         row = {
             "window": index,
             "start_s": round(start_s, 2),
@@ -288,42 +295,73 @@ class Window:
             "degraded": self.degraded,
             "late": self.late,
             "lag_max_ms": round(self.lag_max_ms, 2),
-            "ok_rps": round(self.ok / (end_s - start_s), 1) if end_s > start_s else None,
-            "p50_ms": p50,
-            "p99_ms": p99,
-            "max_ms": mx,
+            "latencies_ms": self.latencies_ms[: self.n].astype(np.float32),
         }
         self.reset()
         return row
+
+
+def merge_windows(parts: list[dict[str, Any]], start_s: float, end_s: float) -> dict[str, Any]:
+    """One window's row from every client's part: counts summed, percentiles over all latencies."""
+    lat = np.concatenate([p["latencies_ms"] for p in parts]) if parts else np.empty(0)
+    errors: Counter[str] = Counter()
+    for p in parts:
+        errors.update(p["errors"])
+    ok = sum(p["ok"] for p in parts)
+    p50, p99, mx = (float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), float(lat.max())) if len(lat) else (None, None, None)
+    gcs = [p["gc"] for p in parts if "gc" in p]
+    return {
+        "window": parts[0]["window"],
+        "start_s": round(start_s, 2),
+        "end_s": round(end_s, 2),
+        "sent": sum(p["sent"] for p in parts),
+        "ok": ok,
+        "errors": dict(errors),
+        "degraded": sum(p["degraded"] for p in parts),
+        "late": sum(p["late"] for p in parts),
+        "lag_max_ms": max(p["lag_max_ms"] for p in parts),
+        "ok_rps": round(ok / (end_s - start_s), 1) if end_s > start_s else None,
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "max_ms": mx,
+        "gc": {
+            "collections": [sum(g["collections"][i] for g in gcs) for i in range(3)],
+            "total_ms": round(sum(g["total_ms"] for g in gcs), 1),
+            "max_ms": max((g["max_ms"] for g in gcs), default=0.0),
+        },
+    }
 
 
 async def open_loop(
     send: Send,
     *,
     rate: float,
+    t0: float,
     duration_s: float,
     window_s: float,
     max_inflight: int,
     late_after_ms: float,
-    server_pid: int,
+    offset: int = 0,
+    stride: int = 1,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Send at `rate` for `duration_s` on a fixed schedule; one row per window (see the module docstring).
+    """One client's share of an open loop: request i of the whole schedule is due at t0 + i / rate,
+    and this client sends i = offset, offset + stride, ... (so `stride` clients together send the
+    whole schedule). One part-row per window (see the module docstring).
 
-    Windows are closed by a ticker at t0 + k * window_s; the last one also takes the requests that
-    complete while the run drains, so every request sent is counted in exactly one window.
+    Windows are closed by a ticker at t0 + k * window_s (time.monotonic is the machine's clock,
+    shared by every process); the last one also takes the requests that complete while the run
+    drains, so every request sent is counted in exactly one window.
     """
     loop = asyncio.get_running_loop()
     error_samples: dict[str, str] = {}
-    cpu = CpuMeter(server_pid)
     gcs = GcMeter()
     n_windows = math.ceil(duration_s / window_s - 1e-9)
     scheduled = int(rate * duration_s)
-    acc = Window(int(rate * window_s * 1.5))
+    acc = Window(int(rate * window_s * 1.5 / stride))
     slots = asyncio.Semaphore(max_inflight)
     tasks: set[asyncio.Task[None]] = set()
     rows: list[dict[str, Any]] = []
     late_after_s = late_after_ms / 1e3
-    t0 = time.monotonic() + 0.05  # a small lead: request 0 is not late because of the set-up above
 
     async def one(due: float) -> None:
         try:
@@ -343,8 +381,6 @@ async def open_loop(
     def close_window(k: int, end: float) -> None:
         nonlocal last_close
         row = acc.close(k, last_close - t0, end - t0)
-        row["memory"] = memory_sample(server_pid)
-        row["cpu"] = cpu.lap()
         row["gc"] = gcs.lap()
         rows.append(row)
         last_close = end
@@ -355,10 +391,11 @@ async def open_loop(
             close_window(k, time.monotonic())
 
     ticks = loop.create_task(ticker())
-    sent = unsent = 0
+    sent = unsent = mine = 0
     burst = 0
     t_end = t0 + duration_s
-    for i in range(scheduled):
+    for i in range(offset, scheduled, stride):
+        mine += 1
         due = t0 + i / rate
         now = time.monotonic()
         if due > now:
@@ -375,7 +412,8 @@ async def open_loop(
             # So far behind that the run would overrun by a whole window: stop and say how many
             # due requests were never started.
             slots.release()
-            unsent = scheduled - i
+            unsent = len(range(i, scheduled, stride))
+            mine += unsent - 1
             break
         lag = started - due
         acc.sent += 1
@@ -392,7 +430,160 @@ async def open_loop(
     await ticks
     close_window(n_windows, max(time.monotonic(), t_end))
     gcs.close()
-    return rows, {"scheduled": scheduled, "sent": sent, "unsent": unsent, "error_samples": error_samples}
+    return rows, {"scheduled": mine, "sent": sent, "unsent": unsent, "error_samples": error_samples}
+
+
+# --- the client processes -------------------------------------------------------------------------
+
+
+def _client_main(conn, settings: dict[str, Any]) -> None:  # noqa: ANN001 - a multiprocessing Connection
+    """A client process: its own event loop, Triton client, feature fetcher and fraud service, which
+    runs the load commands its parent sends (a fraud service scales out the same way, by processes)."""
+    asyncio.run(_client_serve(conn, settings))
+
+
+async def _client_serve(conn, s: dict[str, Any]) -> None:  # noqa: ANN001
+    # Transactions and users drawn once: the request loop should cost the request path, not numpy.
+    rng = np.random.default_rng(s["seed"])
+    transactions = [{k: float(v) for k, v in row.items()} for _, row in demo_data.make_fraud_requests(2000, seed=3 + s["seed"]).iterrows()]
+    users = rng.integers(1, s["n_users"] + 1, size=8192).tolist()
+    counter = 0
+    loop = asyncio.get_running_loop()
+    async with TritonClient(s["grpc_url"], deadline_s=s["deadline_s"]) as triton, FeatureFetcher.from_repo(Path(s["feature_repo"]), timeout_s=s["fetch_timeout_s"]) as fetcher:
+        fraud = FraudService(triton, fetcher, model=s["model"])
+
+        def send() -> Awaitable[FraudScore]:
+            nonlocal counter
+            counter += 1
+            return fraud.score({"user_id": users[counter % len(users)], **transactions[counter % len(transactions)]})
+
+        conn.send(("ready", os.getpid()))
+        while True:
+            command = await loop.run_in_executor(None, conn.recv)
+            if command is None:
+                return
+            kind, kwargs = command
+            try:
+                if kind == "closed":
+                    result: Any = await closed_loop(send, **kwargs)
+                elif kind == "open":
+                    result = await open_loop(send, **kwargs)
+                elif kind == "freeze":
+                    # What a long-running service can do once warmed up: move every object alive now
+                    # (modules, Feast registry, gRPC stubs) out of the collector's reach, so a full
+                    # collection walks only what requests allocate.
+                    gc.collect()
+                    gc.freeze()
+                    result = True
+                else:
+                    raise ValueError(f"unknown command {kind!r}")
+                conn.send(("ok", result))
+            except Exception as exc:  # noqa: BLE001 - sent back to the parent, which raises it
+                conn.send(("error", _message(exc)))
+
+
+class ClientPool:
+    """`n` client processes (spawned: no fork after gRPC exists in the parent), each running the
+    real fraud request path; commands go to all of them at once and their results come back as a list."""
+
+    def __init__(self, n: int, settings: dict[str, Any], start_timeout_s: float = 120.0) -> None:
+        import multiprocessing as mp
+
+        if n < 1:
+            raise ValueError(f"clients must be >= 1, got {n}")
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for j in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_client_main, args=(child, dict(settings, seed=j)), name=f"soak-client-{j}", daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self.pids = [self._recv(c, start_timeout_s)[1] for c in self._conns]
+
+    @property
+    def n(self) -> int:
+        return len(self._procs)
+
+    def _recv(self, conn, timeout_s: float) -> tuple[str, Any]:  # noqa: ANN001
+        if not conn.poll(timeout_s):
+            raise RuntimeError(f"a soak client did not answer within {timeout_s:.0f} s")
+        status, value = conn.recv()
+        if status == "error":
+            raise RuntimeError(f"a soak client failed: {value}")
+        return status, value
+
+    def send(self, kind: str, per_client: list[dict[str, Any]]) -> None:
+        for conn, kwargs in zip(self._conns, per_client):
+            conn.send((kind, kwargs))
+
+    def gather(self, timeout_s: float) -> list[Any]:
+        return [self._recv(conn, timeout_s)[1] for conn in self._conns]
+
+    def run(self, kind: str, per_client: list[dict[str, Any]], timeout_s: float) -> list[Any]:
+        self.send(kind, per_client)
+        return self.gather(timeout_s)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+
+
+def _split(total: int, n: int) -> list[int]:
+    return [total // n + (1 if j < total % n else 0) for j in range(n)]
+
+
+def pooled_closed_loop(pool: ClientPool, concurrency: int, seconds: float) -> dict[str, Any]:
+    parts = pool.run("closed", [{"concurrency": max(1, c), "seconds": seconds} for c in _split(concurrency, pool.n)], timeout_s=seconds + 120)
+    errors: Counter[str] = Counter()
+    samples: dict[str, str] = {}
+    for part in parts:
+        errors.update(part["errors"])
+        for k, v in part["error_samples"].items():
+            samples.setdefault(k, v)
+    elapsed = max(part["seconds"] for part in parts)
+    ok = sum(part["ok"] for part in parts)
+    return {"concurrency": concurrency, "clients": pool.n, "seconds": elapsed, "ok": ok, "errors": dict(errors), "error_samples": samples, "rps": ok / elapsed}
+
+
+def pooled_open_loop(
+    pool: ClientPool, *, rate: float, duration_s: float, window_s: float, max_inflight: int, late_after_ms: float, server_pid: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The open loop at `rate` over every client; this process samples memory and CPU at the window
+    boundaries while the clients send, then merges the clients' parts window by window."""
+    n_windows = math.ceil(duration_s / window_s - 1e-9)
+    cpu = CpuMeter(server_pid, pool.pids)
+    t0 = time.monotonic() + 0.2  # a lead: the command reaches every client before request 0 is due
+    kwargs = dict(rate=rate, t0=t0, duration_s=duration_s, window_s=window_s, max_inflight=max(1, max_inflight // pool.n), late_after_ms=late_after_ms, stride=pool.n)
+    pool.send("open", [dict(kwargs, offset=j) for j in range(pool.n)])
+    samples = []
+    for k in range(1, n_windows):
+        time.sleep(max(0.0, t0 + k * window_s - time.monotonic()))
+        samples.append((time.monotonic(), memory_sample(server_pid, pool.pids), cpu.lap()))
+    results = pool.gather(timeout_s=duration_s + window_s + 120)
+    samples.append((max(time.monotonic(), t0 + duration_s), memory_sample(server_pid, pool.pids), cpu.lap()))
+    rows = []
+    last = t0
+    for k in range(n_windows):
+        end, memory, cpu_row = samples[k]
+        row = merge_windows([part_rows[k] for part_rows, _ in results], last - t0, end - t0)
+        row["memory"], row["cpu"] = memory, cpu_row
+        rows.append(row)
+        last = end
+    counts: dict[str, Any] = {"scheduled": 0, "sent": 0, "unsent": 0, "error_samples": {}}
+    for _, c in results:
+        for key in ("scheduled", "sent", "unsent"):
+            counts[key] += c[key]
+        for k, v in c["error_samples"].items():
+            counts["error_samples"].setdefault(k, v)
+    return rows, counts
 
 
 # A step of the sustainable-maximum search keeps up when it has no errors and fewer than this share
@@ -401,13 +592,13 @@ KEEP_UP_LATE_SHARE = 0.01
 STEP_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 
 
-async def sustainable_maximum(send: Send, closed_rps: float, *, step_s: float, max_inflight: int, late_after_ms: float, server_pid: int) -> dict[str, Any]:
+def sustainable_maximum(pool: ClientPool, closed_rps: float, *, step_s: float, max_inflight: int, late_after_ms: float, server_pid: int) -> dict[str, Any]:
     """The highest open-loop rate, stepping down from the closed-loop maximum, that the stack keeps up with."""
     steps = []
     for fraction in STEP_FRACTIONS:
         rate = fraction * closed_rps
-        rows, counts = await open_loop(
-            send, rate=rate, duration_s=step_s, window_s=step_s, max_inflight=max_inflight, late_after_ms=late_after_ms, server_pid=server_pid
+        rows, counts = pooled_open_loop(
+            pool, rate=rate, duration_s=step_s, window_s=step_s, max_inflight=max_inflight, late_after_ms=late_after_ms, server_pid=server_pid
         )
         (row,) = rows
         errors = sum(row["errors"].values()) + counts["unsent"]
@@ -452,66 +643,69 @@ def verdict(rows: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str, Any
     return figures
 
 
-async def _soak(
-    server: LocalTriton,
-    feature_repo: Path,
-    *,
+def run_soak(
     duration_s: float,
     window_s: float,
-    utilization: float,
-    concurrency: int,
-    max_seconds: float,
-    warmup_s: float,
-    max_inflight: int,
-    late_after_ms: float,
-    n_users: int,
-    model: str,
-    fetch_timeout_s: float,
-    deadline_s: float,
-    gc_freeze: bool,
-    step_s: float,
+    *,
+    server: LocalTriton,
+    feature_repo: str | os.PathLike[str],
+    utilization: float = 0.7,
+    clients: int = 2,
+    concurrency: int = 16,
+    max_seconds: float = 15.0,
+    warmup_s: float = 3.0,
+    max_inflight: int = 1024,
+    late_after_ms: float = 10.0,
+    n_users: int = 5000,
+    model: str = "fraud_xgb",
+    fetch_timeout_s: float = 0.05,
+    deadline_s: float = 2.0,
+    gc_freeze: bool = True,
+    step_s: float = 8.0,
 ) -> dict[str, Any]:
+    """Soak the running `server` (a started LocalTriton) with fraud requests; return the results dict.
+
+    The load comes from `clients` processes, each running the real request path (its own event
+    loop, Triton client, feature fetcher): one Python process tops out at ~3 ms of CPU per paced
+    request, and with one event loop 80-90% busy its own queueing made the tails (results/soak.md
+    of 2026-12-01: p99 swinging 0.5-1.8x at 333 req/s). `feature_repo` is a Feast repository
+    already applied and materialized (user ids 1..n_users). `gc_freeze` (default on) calls
+    gc.freeze() in each client after the warm-up, as a long-running Python service should: without
+    it, full collections of the client's ~560 MiB heap (Feast, torch, onnx imported) stalled the
+    event loop for 200-360 ms, and the burst that followed was rejected by the model's queue timeout.
+    """
+    if window_s <= 0 or duration_s < 2 * window_s:
+        raise ValueError(f"duration_s ({duration_s}) must cover at least two windows of window_s ({window_s}): memory growth is measured from the second")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be within (0, 1], got {utilization}")
     assert server.process is not None, "the server is not running"
-    # Transactions and users drawn once: the request loop should cost the request path, not numpy.
-    rng = np.random.default_rng(0)
-    transactions = [{k: float(v) for k, v in row.items()} for _, row in demo_data.make_fraud_requests(2000, seed=3).iterrows()]
-    users = rng.integers(1, n_users + 1, size=8192).tolist()
-    counter = 0
-
-    async with TritonClient(server.grpc_url, deadline_s=deadline_s) as triton, FeatureFetcher.from_repo(feature_repo, timeout_s=fetch_timeout_s) as fetcher:
-        fraud = FraudService(triton, fetcher, model=model)
-
-        def send() -> Awaitable[FraudScore]:
-            nonlocal counter
-            counter += 1
-            return fraud.score({"user_id": users[counter % len(users)], **transactions[counter % len(transactions)]})
-
-        warmup = await closed_loop(send, concurrency, warmup_s)
+    server_pid = server.process.pid
+    settings = {
+        "grpc_url": server.grpc_url,
+        "feature_repo": str(Path(feature_repo)),
+        "model": model,
+        "n_users": n_users,
+        "fetch_timeout_s": fetch_timeout_s,
+        "deadline_s": deadline_s,
+    }
+    pool = ClientPool(clients, settings)
+    try:
+        warmup = pooled_closed_loop(pool, concurrency, warmup_s)
         if gc_freeze:
-            # What a long-running service can do once warmed up: move every object alive now
-            # (modules, Feast registry, gRPC stubs) out of the collector's reach, so a full
-            # collection walks only what requests allocate.
-            gc.collect()
-            gc.freeze()
-        meter = CpuMeter(server.process.pid)
-        maximum = await closed_loop(send, concurrency, max_seconds)
+            pool.run("freeze", [{}] * pool.n, timeout_s=60)
+        meter = CpuMeter(server_pid, pool.pids)
+        maximum = pooled_closed_loop(pool, concurrency, max_seconds)
         # CPU per answered request, closed loop vs open loop, says whether the open loop costs more
         # per request (same-turn feature coalescing and dynamic batching find less to join).
         maximum["cpu"] = meter.lap()
-        sustained = await sustainable_maximum(
-            send, maximum["rps"], step_s=step_s, max_inflight=max_inflight, late_after_ms=late_after_ms, server_pid=server.process.pid
-        )
+        sustained = sustainable_maximum(pool, maximum["rps"], step_s=step_s, max_inflight=max_inflight, late_after_ms=late_after_ms, server_pid=server_pid)
         rate = utilization * sustained["rps"]
-        before = memory_sample(server.process.pid)
-        rows, counts = await open_loop(
-            send,
-            rate=rate,
-            duration_s=duration_s,
-            window_s=window_s,
-            max_inflight=max_inflight,
-            late_after_ms=late_after_ms,
-            server_pid=server.process.pid,
+        before = memory_sample(server_pid, pool.pids)
+        rows, counts = pooled_open_loop(
+            pool, rate=rate, duration_s=duration_s, window_s=window_s, max_inflight=max_inflight, late_after_ms=late_after_ms, server_pid=server_pid
         )
+    finally:
+        pool.close()
 
     errors: Counter[str] = Counter()
     for row in rows:
@@ -532,6 +726,7 @@ async def _soak(
             "duration_s": duration_s,
             "window_s": window_s,
             "utilization": utilization,
+            "clients": clients,
             "rate_rps": round(rate, 1),
             "max_throughput": {**maximum, "rps": round(maximum["rps"], 1)},
             "sustainable_max": {**sustained, "rps": round(sustained["rps"], 1)},
@@ -550,59 +745,6 @@ async def _soak(
         "totals": totals,
         "verdict": verdict(rows, totals),
     }
-
-
-def run_soak(
-    duration_s: float,
-    window_s: float,
-    *,
-    server: LocalTriton,
-    feature_repo: str | os.PathLike[str],
-    utilization: float = 0.7,
-    concurrency: int = 16,
-    max_seconds: float = 15.0,
-    warmup_s: float = 3.0,
-    max_inflight: int = 1024,
-    late_after_ms: float = 10.0,
-    n_users: int = 5000,
-    model: str = "fraud_xgb",
-    fetch_timeout_s: float = 0.05,
-    deadline_s: float = 2.0,
-    gc_freeze: bool = True,
-    step_s: float = 8.0,
-) -> dict[str, Any]:
-    """Soak the running `server` (a started LocalTriton) with fraud requests; return the results dict.
-
-    `feature_repo` is a Feast repository already applied and materialized (user ids 1..n_users).
-    `gc_freeze` (default on) calls gc.freeze() in this process after the warm-up, as a long-running
-    Python service should: without it, full collections of the client's ~560 MiB heap (Feast,
-    torch, onnx imported) stalled the event loop for 200-360 ms, and the burst that followed was
-    rejected by the model's ~9 ms queue timeout. Runs its own event loop: call it from synchronous code.
-    """
-    if window_s <= 0 or duration_s < 2 * window_s:
-        raise ValueError(f"duration_s ({duration_s}) must cover at least two windows of window_s ({window_s}): memory growth is measured from the second")
-    if not 0 < utilization <= 1:
-        raise ValueError(f"utilization must be within (0, 1], got {utilization}")
-    return asyncio.run(
-        _soak(
-            server,
-            Path(feature_repo),
-            duration_s=duration_s,
-            window_s=window_s,
-            utilization=utilization,
-            concurrency=concurrency,
-            max_seconds=max_seconds,
-            warmup_s=warmup_s,
-            max_inflight=max_inflight,
-            late_after_ms=late_after_ms,
-            n_users=n_users,
-            model=model,
-            fetch_timeout_s=fetch_timeout_s,
-            deadline_s=deadline_s,
-            gc_freeze=gc_freeze,
-            step_s=step_s,
-        )
-    )
 
 
 # --- report ----------------------------------------------------------------------------------------
@@ -633,8 +775,9 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}.",
         "",
+        f"- clients: {s.get('clients', 1)} processes, each running the fraud request path (own event loop, Triton client, feature fetcher); the open-loop schedule is interleaved over them",
         f"- maximum throughput: {mx['rps']} req/s (closed loop, concurrency {mx['concurrency']}, {mx['seconds']} s, {mx['ok']} answered, errors {mx['errors'] or 0}; "
-        f"CPU % client (loop thread) / server / other: {mx['cpu']['client_pct']:.0f} ({mx['cpu']['client_loop_thread_pct']:.0f}) / {mx['cpu']['server_pct']:.0f} / {mx['cpu']['other_pct']:.0f})",
+        f"CPU % clients (busiest loop thread) / server / other: {mx['cpu']['client_pct']:.0f} ({mx['cpu']['client_loop_thread_pct']:.0f}) / {mx['cpu']['server_pct']:.0f} / {mx['cpu']['other_pct']:.0f})",
         *(
             [
                 f"- sustainable maximum: {s['sustainable_max']['rps']} req/s (open loop, steps of {s['sustainable_max']['step_s']:g} s down from the closed-loop maximum; "
@@ -650,7 +793,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"degraded {t['degraded']}, late {t['late']}, unsent {t['unsent']}; sent == answered + errors: {t['accounted']}",
         f"- latency: {s['latency']}; memory: VmRSS",
         "",
-        "| window | end s | sent | ok | errors | degraded | late | max lag ms | ok req/s | p50 ms | p99 ms | max ms | p99 / first | tritonserver MiB | stubs MiB (n) | client MiB | CPU % client (loop thread) / server / other | GC gen2 n, max pause ms |",
+        "| window | end s | sent | ok | errors | degraded | late | max lag ms | ok req/s | p50 ms | p99 ms | max ms | p99 / first | tritonserver MiB | stubs MiB (n) | clients MiB | CPU % clients (busiest loop thread) / server / other | GC gen2 n, max pause ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["windows"]:
@@ -672,9 +815,9 @@ def render_markdown(result: dict[str, Any]) -> str:
                   "the rate (from the maximum) and those windows' figures are not this stack's alone. Rerun on a quiet machine."]
     lines += [
         "",
-        f"Memory before the open loop: tritonserver {before['tritonserver_mib']} MiB, stubs {before['stubs_mib']} MiB ({before['n_stubs']}), client {before['client_mib']} MiB. "
-        f"CPU in % of one core ({m['cpus']} cores in all); other = the machine minus client and server (Redis included). "
-        "GC: the client's full (generation 2) collections and its longest pause of any generation, per window.",
+        f"Memory before the open loop: tritonserver {before['tritonserver_mib']} MiB, stubs {before['stubs_mib']} MiB ({before['n_stubs']}), clients {before['client_mib']} MiB (summed). "
+        f"CPU in % of one core ({m['cpus']} cores in all); other = the machine minus clients and server (Redis included). "
+        "GC: the clients' full (generation 2) collections and their longest pause of any generation, per window.",
         *([""] + [f"- first {kind}: `{text}`" for kind, text in t["error_samples"].items()] if t["error_samples"] else []),
         "",
         "## Verdict",
@@ -726,6 +869,7 @@ def main(argv: list[str] | None = None) -> int:
     length.add_argument("--seconds", type=float, help="duration in seconds instead (short mode, e.g. 60)")
     ap.add_argument("--window", type=float, help="window length in s (default 60; 10 when the duration is under 3 minutes)")
     ap.add_argument("--utilization", type=float, default=0.7, help="fraction of the measured maximum throughput (default 0.7)")
+    ap.add_argument("--clients", type=int, default=2, help="client processes sending the load (default 2)")
     ap.add_argument("--concurrency", type=int, default=16, help="closed-loop concurrency of the maximum-throughput phase")
     ap.add_argument("--max-seconds", type=float, default=15.0, help="length of the closed-loop maximum-throughput phase")
     ap.add_argument("--step-seconds", type=float, default=8.0, help="length of each open-loop step of the sustainable-maximum search")
@@ -755,6 +899,7 @@ def main(argv: list[str] | None = None) -> int:
             server=server,
             feature_repo=feature_repo,
             utilization=args.utilization,
+            clients=args.clients,
             concurrency=args.concurrency,
             max_seconds=args.max_seconds,
             max_inflight=args.max_inflight,

@@ -14,7 +14,8 @@ hiccup, which is the queue policy doing its job (tested in test_serve.py), not i
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -38,13 +39,12 @@ MAX_CLIENT_GROWTH = 1.25
 
 
 def _load_soak() -> ModuleType:
-    """benchmarks/ is not a package: load soak.py by path."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
-    spec = importlib.util.spec_from_file_location("scorestack_bench_soak", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/ is not a package: import soak.py from it by name (its client processes are
+    spawned, and a spawned process finds the client's code by module name on the same sys.path)."""
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("soak")
 
 
 @pytest.fixture(scope="module")
