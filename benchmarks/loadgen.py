@@ -1,0 +1,669 @@
+"""A lean load generator for KServe v2 gRPC (Triton, MLServer) and plain HTTP/JSON services.
+
+Closed loop (N callers, each sends its next request when the last one answers) and open loop
+(Poisson arrivals at a set rate; latency counted from each request's *scheduled* send time, so a
+client or server that falls behind pays for it: no coordinated omission). The load runs in worker
+processes of its own (spawned, optionally pinned with os.sched_setaffinity) that record their CPU
+share and core placement; the parent merges latencies into p50/p90/p99/p99.9.
+
+To keep the client's CPU per request low, requests are serialized once: gRPC sends prebuilt
+ModelInferRequest bytes through a raw unary call (no per-request protobuf work), HTTP writes
+prebuilt request bytes on keep-alive connections through an asyncio protocol. Responses are
+parsed only for the preflight request and when they fail.
+
+    gen = LoadGenerator(workers=1)
+    target = grpc_target("fraud", "127.0.0.1:8001", "fraud_xgb", "input__0", rows)
+    result = gen.closed(target, concurrency=16, duration_s=3)
+    result = gen.open(target, rate=2000, duration_s=3)
+    gen.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+GRPC_INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
+PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+# Triton's queue policy answers UNAVAILABLE with these messages (an unreachable server too: tell
+# them apart by the message, PLATFORM_NOTES).
+_REJECTION_MESSAGES = ("request timeout expired", "exceeds maximum queue size", "maximum queue size")
+
+
+class LoadGenError(RuntimeError):
+    """The load could not be run against a target (unreachable, unknown model, refused input)."""
+
+
+# -- targets ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """What to send where: `payloads` are complete prebuilt messages (gRPC request bytes, or whole HTTP requests)."""
+
+    name: str
+    protocol: str  # "grpc" | "http"
+    address: str  # host:port
+    payloads: tuple[bytes, ...]
+    model: str = ""  # gRPC model name (for messages)
+    description: str = ""
+    deadline_s: float = 10.0
+
+
+def grpc_target(name: str, address: str, model: str, input_name: str, rows: np.ndarray, *, output: str | None = None,
+                typed_contents: bool = False, description: str = "", deadline_s: float = 10.0) -> Target:
+    """One KServe v2 ModelInferRequest per row of `rows` (float32, one row each: batch dimension 1).
+
+    `typed_contents` puts the values in `contents.fp32_contents` instead of `raw_input_contents`
+    (both are KServe v2; servers may prefer one).
+    """
+    from tritonclient.grpc import service_pb2 as pb
+
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if rows.ndim != 2 or len(rows) == 0:
+        raise ValueError(f"target {name}: rows must be a non-empty 2-D float array (one request per row), got shape {rows.shape}")
+    payloads = []
+    for row in rows:
+        req = pb.ModelInferRequest(model_name=model)
+        tensor = req.inputs.add(name=input_name, datatype="FP32", shape=[1, rows.shape[1]])
+        if typed_contents:
+            tensor.contents.fp32_contents.extend(row.tolist())
+        else:
+            req.raw_input_contents.append(row.tobytes())
+        if output:
+            req.outputs.add(name=output)
+        payloads.append(req.SerializeToString())
+    return Target(name, "grpc", address, tuple(payloads), model=model, description=description, deadline_s=deadline_s)
+
+
+def http_target(name: str, address: str, path: str, bodies: Sequence[dict], *, description: str = "", deadline_s: float = 10.0) -> Target:
+    """One keep-alive HTTP/1.1 POST of a JSON body per element of `bodies`."""
+    host = address.split(":")[0]
+    payloads = []
+    for body in bodies:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        payloads.append(head + data)
+    return Target(name, "http", address, tuple(payloads), model=path, description=description, deadline_s=deadline_s)
+
+
+# -- jobs and results ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    target: Target
+    mode: str  # "closed" | "open"
+    concurrency: int = 1  # closed loop: callers in this worker
+    rate: float = 0.0  # open loop: arrivals per second in this worker
+    duration_s: float = 3.0
+    warmup_s: float = 0.5
+    start_at: float = 0.0  # time.monotonic() (system-wide) at which the warm-up starts
+    seed: int = 0
+    max_inflight: int = 4096  # open loop: arrivals beyond this many outstanding are dropped (counted)
+    http_client: str = "raw"  # "raw" | "aiohttp"
+    grpc_client: str = "raw"  # "raw" | "tritonclient"
+
+
+@dataclass
+class WorkerResult:
+    latencies_ms: np.ndarray
+    sent: int
+    ok: int
+    errors: dict[str, int]
+    error_samples: dict[str, str]
+    dropped: int  # open loop: scheduled but not sent (client backlog above max_inflight)
+    scheduled: int
+    cpu_s: float
+    wall_s: float
+    send_lag_ms_p99: float  # open loop: how late the client sent, 99th percentile
+    affinity: list[int]
+    last_cpu: int
+    preflight: str  # "" if the preflight request succeeded, else why not
+
+
+@dataclass
+class Result:
+    target: str
+    mode: str
+    concurrency: int
+    rate: float  # open loop: target arrivals/s (all workers)
+    duration_s: float
+    sent: int
+    ok: int
+    errors: dict[str, int]
+    error_samples: dict[str, str]
+    dropped: int
+    scheduled: int
+    throughput: float  # successful responses per second
+    achieved_rate: float  # requests sent per second
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    p999_ms: float
+    mean_ms: float
+    max_ms: float
+    client_cpu_cores: float  # CPU seconds of all load workers / wall seconds
+    client_cpu_us_per_request: float
+    send_lag_ms_p99: float
+    workers: list[dict] = field(default_factory=list)  # affinity, last CPU, CPU share of each worker
+    server_cpu_cores: float | None = None
+    server_cpu_us_per_request: float | None = None
+
+    @property
+    def rejected(self) -> int:
+        return self.errors.get("rejected", 0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(target: Target, job: Job, parts: list[WorkerResult], rate: float, concurrency: int) -> Result:
+    lat = np.concatenate([p.latencies_ms for p in parts]) if parts else np.zeros(0)
+    errors: dict[str, int] = {}
+    samples: dict[str, str] = {}
+    for p in parts:
+        for k, v in p.errors.items():
+            errors[k] = errors.get(k, 0) + v
+        for k, v in p.error_samples.items():
+            samples.setdefault(k, v)
+    sent = sum(p.sent for p in parts)
+    ok = sum(p.ok for p in parts)
+    cpu = sum(p.cpu_s for p in parts)
+    wall = max((p.wall_s for p in parts), default=job.duration_s) or job.duration_s
+    pct = np.percentile(lat, PERCENTILES) if len(lat) else [float("nan")] * len(PERCENTILES)
+    return Result(
+        target=target.name, mode=job.mode, concurrency=concurrency, rate=rate, duration_s=job.duration_s,
+        sent=sent, ok=ok, errors=errors, error_samples=samples, dropped=sum(p.dropped for p in parts),
+        scheduled=sum(p.scheduled for p in parts), throughput=ok / job.duration_s, achieved_rate=sent / job.duration_s,
+        p50_ms=float(pct[0]), p90_ms=float(pct[1]), p99_ms=float(pct[2]), p999_ms=float(pct[3]),
+        mean_ms=float(lat.mean()) if len(lat) else float("nan"), max_ms=float(lat.max()) if len(lat) else float("nan"),
+        client_cpu_cores=cpu / wall, client_cpu_us_per_request=1e6 * cpu / max(sent, 1),
+        send_lag_ms_p99=max((p.send_lag_ms_p99 for p in parts), default=0.0),
+        workers=[{"affinity": p.affinity, "last_cpu": p.last_cpu, "cpu_cores": round(p.cpu_s / max(p.wall_s, 1e-9), 3)} for p in parts],
+    )
+
+
+# -- the worker side -------------------------------------------------------------------------------
+def _classify_grpc(exc: BaseException) -> tuple[str, str]:
+    import grpc
+
+    if isinstance(exc, grpc.aio.AioRpcError) or isinstance(exc, grpc.RpcError):
+        code = exc.code()
+        text = exc.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE and any(m in text.lower() for m in _REJECTION_MESSAGES):
+            return "rejected", text
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return "deadline", text
+        return code.name.lower(), text
+    return type(exc).__name__, str(exc)
+
+
+class _GrpcSender:
+    """Prebuilt request bytes through a raw unary call: no protobuf work per request."""
+
+    def __init__(self, target: Target, client: str) -> None:
+        import grpc
+
+        self.target = target
+        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        self.channel = grpc.aio.insecure_channel(target.address, options=opts)
+        if client == "tritonclient":
+            from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pbg
+
+            stub = pbg.GRPCInferenceServiceStub(self.channel)
+            self.payloads = [pb.ModelInferRequest.FromString(p) for p in target.payloads]
+            self.call = stub.ModelInfer
+        else:
+            self.payloads = list(target.payloads)
+            self.call = self.channel.unary_unary(GRPC_INFER_PATH)  # bytes in, bytes out
+        self.timeout = target.deadline_s
+
+    async def send(self, i: int) -> None:
+        await self.call(self.payloads[i % len(self.payloads)], timeout=self.timeout)
+
+    def classify(self, exc: BaseException) -> tuple[str, str]:
+        return _classify_grpc(exc)
+
+    async def preflight(self) -> str:
+        from tritonclient.grpc import service_pb2 as pb
+
+        call = self.channel.unary_unary(GRPC_INFER_PATH)
+        for attempt in range(10):
+            try:
+                raw = await call(self.target.payloads[0], timeout=min(self.timeout, 10.0))
+                break
+            except Exception as exc:  # noqa: BLE001 - reported to the caller with the server's words
+                kind, text = self.classify(exc)
+                # A queue-policy rejection means "busy", not "misconfigured": try again shortly.
+                if kind != "rejected" or attempt == 9:
+                    return f"{kind}: {text}"
+                await asyncio.sleep(0.05 * (attempt + 1))
+        resp = pb.ModelInferResponse.FromString(raw)
+        if not resp.outputs:
+            return "the response has no outputs"
+        return ""
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class _HttpConnection(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+        self.need = -1  # bytes of the whole response once the header is parsed
+        self.body_at = 0
+        self.status = 0
+        self.lost: Exception | None = None
+
+    def connection_made(self, transport) -> None:  # noqa: ANN001
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:  # noqa: ANN001
+        self.lost = exc or ConnectionResetError("connection closed by the server")
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(self.lost)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.need < 0:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(self.buf[:end]).lower()
+            self.status = int(head[9:12])
+            i = head.find(b"content-length:")
+            if i < 0:
+                if self.waiter is not None and not self.waiter.done():
+                    self.waiter.set_exception(RuntimeError("response without Content-Length (chunked responses are not supported)"))
+                return
+            j = head.find(b"\r\n", i)
+            self.body_at = end + 4
+            self.need = self.body_at + int(head[i + 15:j if j > 0 else None])
+        if len(self.buf) >= self.need:
+            body = bytes(self.buf[self.body_at:self.need])
+            status = self.status
+            del self.buf[:self.need]
+            self.need = -1
+            if self.waiter is not None and not self.waiter.done():
+                self.waiter.set_result((status, body))
+
+    async def request(self, payload: bytes) -> tuple[int, bytes]:
+        if self.lost is not None:
+            raise self.lost
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(payload)
+        return await self.waiter
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}: {body[:300].decode(errors='replace')}")
+        self.status = status
+
+
+class _HttpSender:
+    """Prebuilt HTTP/1.1 requests on keep-alive connections (one per outstanding request)."""
+
+    def __init__(self, target: Target, client: str) -> None:
+        self.target = target
+        self.host, port = target.address.rsplit(":", 1)
+        self.port = int(port)
+        self.idle: list = []
+        self.client = client
+        self.session = None
+        self.timeout = target.deadline_s
+
+    async def _connect(self) -> _HttpConnection:
+        loop = asyncio.get_running_loop()
+        _, proto = await asyncio.wait_for(loop.create_connection(_HttpConnection, self.host, self.port), self.timeout)
+        return proto
+
+    async def send(self, i: int) -> None:
+        payload = self.target.payloads[i % len(self.target.payloads)]
+        if self.client == "aiohttp":
+            return await self._send_aiohttp(payload)
+        conn = self.idle.pop() if self.idle else await self._connect()
+        try:
+            status, body = await asyncio.wait_for(conn.request(payload), self.timeout)
+        except BaseException:
+            if conn.transport is not None:
+                conn.transport.close()  # its state is unknown: never reuse it
+            raise
+        self.idle.append(conn)
+        if status != 200:
+            raise _HttpError(status, body)
+
+    async def _send_aiohttp(self, payload: bytes) -> None:
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.timeout))
+        head, body = payload.split(b"\r\n\r\n", 1)
+        path = head.split(b" ")[1].decode()
+        async with self.session.post(f"http://{self.target.address}{path}", data=body, headers={"Content-Type": "application/json"}) as r:
+            data = await r.read()
+            if r.status != 200:
+                raise _HttpError(r.status, data)
+
+    def classify(self, exc: BaseException) -> tuple[str, str]:
+        if isinstance(exc, _HttpError):
+            return ("rejected" if exc.status in (429, 503) else f"http_{exc.status}"), str(exc)
+        if isinstance(exc, asyncio.TimeoutError):
+            return "deadline", f"no answer within {self.timeout} s"
+        if isinstance(exc, OSError):
+            return "unavailable", f"{type(exc).__name__}: {exc}"
+        return type(exc).__name__, str(exc)
+
+    async def preflight(self) -> str:
+        try:
+            conn = await self._connect()
+            status, body = await asyncio.wait_for(conn.request(self.target.payloads[0]), min(self.timeout, 10.0))
+        except Exception as exc:  # noqa: BLE001 - reported with its reason
+            return "%s: %s" % self.classify(exc)
+        self.idle.append(conn)
+        if status != 200:
+            return f"HTTP {status}: {body[:300].decode(errors='replace')}"
+        try:
+            json.loads(body)
+        except ValueError:
+            return f"the response is not JSON: {body[:100]!r}"
+        return ""
+
+    async def close(self) -> None:
+        for c in self.idle:
+            if c.transport is not None:
+                c.transport.close()
+        if self.session is not None:
+            await self.session.close()
+
+
+class _Recorder:
+    def __init__(self, window_start: float, window_end: float) -> None:
+        self.t0, self.t1 = window_start, window_end
+        self.lat: list[float] = []
+        self.sent = self.ok = 0
+        self.errors: dict[str, int] = {}
+        self.samples: dict[str, str] = {}
+
+    def counts(self, t_sched: float) -> bool:
+        return self.t0 <= t_sched < self.t1
+
+
+async def _one(sender, rec: _Recorder, i: int, t_sched: float, counted: bool) -> None:
+    try:
+        await sender.send(i)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure is counted by kind
+        if counted:
+            kind, text = sender.classify(exc)
+            rec.errors[kind] = rec.errors.get(kind, 0) + 1
+            rec.samples.setdefault(kind, text[:300])
+        return
+    if counted:
+        rec.ok += 1
+        rec.lat.append(time.monotonic() - t_sched)
+
+
+async def _run_job(job: Job) -> WorkerResult:
+    target = job.target
+    sender = _GrpcSender(target, job.grpc_client) if target.protocol == "grpc" else _HttpSender(target, job.http_client)
+    try:
+        reason = await sender.preflight()
+        affinity = sorted(os.sched_getaffinity(0))
+        if reason:
+            return WorkerResult(np.zeros(0), 0, 0, {}, {}, 0, 0, 0.0, 0.0, 0.0, affinity, -1, reason)
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        if job.start_at > now:
+            await asyncio.sleep(job.start_at - now)
+        start = max(job.start_at, time.monotonic())
+        w0, w1 = start + job.warmup_s, start + job.warmup_s + job.duration_s
+        rec = _Recorder(w0, w1)
+        cpu_mark: list[float] = []
+
+        async def mark_cpu() -> None:
+            await asyncio.sleep(max(0.0, w0 - time.monotonic()))
+            t = os.times()
+            cpu_mark.append(t.user + t.system)
+            cpu_mark.append(time.monotonic())
+
+        marker = asyncio.ensure_future(mark_cpu())
+        lags: list[float] = []
+        dropped = scheduled = 0
+        if job.mode == "closed":
+            counter = iter(range(1 << 62))
+
+            async def caller() -> None:
+                while True:
+                    t = time.monotonic()
+                    if t >= w1:
+                        return
+                    counted = t >= w0
+                    if counted:
+                        rec.sent += 1
+                    await _one(sender, rec, next(counter), t, counted)
+
+            await asyncio.gather(*(caller() for _ in range(job.concurrency)))
+        else:
+            rng = random.Random(job.seed)
+            tasks: set[asyncio.Task] = set()
+            t_next = start
+            i = 0
+            while t_next < w1:
+                now = time.monotonic()
+                while t_next <= now and t_next < w1:
+                    counted = rec.counts(t_next)
+                    if counted:
+                        scheduled += 1
+                        lags.append(now - t_next)
+                    if len(tasks) >= job.max_inflight:
+                        dropped += counted
+                    else:
+                        if counted:
+                            rec.sent += 1
+                        task = loop.create_task(_one(sender, rec, i, t_next, counted))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    i += 1
+                    t_next += rng.expovariate(job.rate)
+                if t_next < w1:
+                    await asyncio.sleep(max(0.0, t_next - time.monotonic()))
+            if tasks:
+                await asyncio.wait(tasks, timeout=target.deadline_s + 5)
+        await marker
+        t = os.times()
+        cpu_s = (t.user + t.system) - cpu_mark[0]
+        wall_s = time.monotonic() - cpu_mark[1]
+        lat_ms = np.asarray(rec.lat, dtype=np.float64) * 1e3
+        lag = float(np.percentile(lags, 99) * 1e3) if lags else 0.0
+        last_cpu = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[36])
+        return WorkerResult(lat_ms, rec.sent, rec.ok, rec.errors, rec.samples, dropped, scheduled if job.mode == "open" else rec.sent,
+                            cpu_s, wall_s, lag, affinity, last_cpu, "")
+    finally:
+        await sender.close()
+
+
+def _worker_main(conn, cpus: list[int] | None) -> None:  # noqa: ANN001 - a multiprocessing Connection
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    if os.environ.get("LOADGEN_LOOP", "uvloop") == "uvloop":
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        try:
+            conn.send(asyncio.run(_run_job(job)))
+        except Exception as exc:  # noqa: BLE001 - sent back to the parent, which raises it with the target's name
+            conn.send(exc)
+
+
+# -- the parent side -------------------------------------------------------------------------------
+class LoadGenerator:
+    """A pool of load worker processes, kept across measurements (spawned once).
+
+    `cpus`: pin the workers to these cores (round-robin one core per worker when there are as
+    many cores as workers, else the whole set). `server_pids`: a callable returning the process
+    ids whose CPU time (with their children) is charged to the server for each measurement.
+    """
+
+    def __init__(self, workers: int = 1, cpus: Sequence[int] | None = None, http_client: str = "raw", grpc_client: str = "raw") -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.http_client = http_client
+        self.grpc_client = grpc_client
+        ctx = mp.get_context("spawn")  # no fork after grpc or Triton clients exist in the parent
+        self._conns = []
+        self._procs = []
+        for w in range(workers):
+            pin = None
+            if cpus:
+                pin = [list(cpus)[w % len(cpus)]] if len(cpus) >= workers else list(cpus)
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, args=(child, pin), name=f"loadgen-{w}", daemon=True)
+            p.start()
+            self._conns.append(parent)
+            self._procs.append(p)
+
+    @property
+    def workers(self) -> int:
+        return len(self._procs)
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send(None)
+            except OSError:
+                pass
+        for p in self._procs:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+
+    def __enter__(self) -> "LoadGenerator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def closed(self, target: Target, concurrency: int, duration_s: float = 3.0, warmup_s: float = 0.5,
+               server_pids: Callable[[], list[int]] | None = None) -> Result:
+        """`concurrency` callers (split over the workers) for `duration_s` after `warmup_s`."""
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        n = min(self.workers, concurrency)
+        shares = [concurrency // n + (1 if w < concurrency % n else 0) for w in range(n)]
+        jobs = [Job(target, "closed", concurrency=s, duration_s=duration_s, warmup_s=warmup_s, seed=w,
+                    http_client=self.http_client, grpc_client=self.grpc_client) for w, s in enumerate(shares)]
+        return self._run(target, jobs, server_pids, rate=0.0, concurrency=concurrency)
+
+    def open(self, target: Target, rate: float, duration_s: float = 3.0, warmup_s: float = 0.5, max_inflight: int = 4096,
+             server_pids: Callable[[], list[int]] | None = None, seed: int = 0) -> Result:
+        """Poisson arrivals at `rate` per second (split over the workers); latency from the scheduled send time."""
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+        jobs = [Job(target, "open", rate=rate / self.workers, duration_s=duration_s, warmup_s=warmup_s, seed=seed * 1000 + w,
+                    max_inflight=max_inflight, http_client=self.http_client, grpc_client=self.grpc_client) for w in range(self.workers)]
+        return self._run(target, jobs, server_pids, rate=rate, concurrency=0)
+
+    def _run(self, target: Target, jobs: list[Job], server_pids, rate: float, concurrency: int) -> Result:
+        # Workers connect and send one preflight request first; all start together at start_at.
+        start_at = time.monotonic() + 1.0
+        jobs = [Job(**{**j.__dict__, "start_at": start_at}) for j in jobs]
+        for c, j in zip(self._conns, jobs):
+            c.send(j)
+        cpu0 = None
+        if server_pids is not None:
+            time.sleep(max(0.0, start_at + jobs[0].warmup_s - time.monotonic()))
+            cpu0 = (_tree_cpu(server_pids()), time.monotonic())
+            time.sleep(max(0.0, start_at + jobs[0].warmup_s + jobs[0].duration_s - time.monotonic()))
+            cpu1 = (_tree_cpu(server_pids()), time.monotonic())
+        parts = []
+        for c in self._conns[: len(jobs)]:
+            if not c.poll(jobs[0].warmup_s + jobs[0].duration_s + target.deadline_s + 60):
+                raise LoadGenError(f"target {target.name}: a load worker did not answer")
+            got = c.recv()
+            if isinstance(got, Exception):
+                raise LoadGenError(f"target {target.name}: load worker failed: {type(got).__name__}: {got}") from got
+            parts.append(got)
+        failed = [p.preflight for p in parts if p.preflight]
+        if failed:
+            what = f"model {target.model!r}" if target.protocol == "grpc" else f"path {target.model!r}"
+            raise LoadGenError(f"target {target.name} ({target.protocol} {target.address}, {what}): the first request failed: {failed[0]}")
+        res = summarize(target, jobs[0], parts, rate, concurrency)
+        if cpu0 is not None:
+            busy = cpu1[0] - cpu0[0]
+            res.server_cpu_cores = busy / max(cpu1[1] - cpu0[1], 1e-9)
+            res.server_cpu_us_per_request = 1e6 * busy / max(res.sent, 1)
+        return res
+
+
+def _tree_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) of these processes and all their descendants."""
+    import psutil
+
+    total = 0.0
+    seen: set[int] = set()
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            if p.pid in seen:
+                continue
+            seen.add(p.pid)
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+    return total
+
+
+def main() -> None:
+    """Ad-hoc runs: loadgen.py grpc HOST:PORT MODEL INPUT NFEATURES --concurrency 16 | --rate 1000."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("protocol", choices=["grpc", "http"])
+    ap.add_argument("address")
+    ap.add_argument("model", help="gRPC model name, or HTTP path (body: {\"features\": [...]})")
+    ap.add_argument("--input", default="input__0")
+    ap.add_argument("--features", type=int, default=30)
+    ap.add_argument("--concurrency", type=int, default=0)
+    ap.add_argument("--rate", type=float, default=0.0)
+    ap.add_argument("--duration", type=float, default=3.0)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--cpus", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    ap.add_argument("--http-client", default="raw", choices=["raw", "aiohttp"])
+    ap.add_argument("--grpc-client", default="raw", choices=["raw", "tritonclient"])
+    args = ap.parse_args()
+    rows = np.random.default_rng(0).normal(size=(64, args.features)).astype(np.float32)
+    if args.protocol == "grpc":
+        t = grpc_target("adhoc", args.address, args.model, args.input, rows)
+    else:
+        t = http_target("adhoc", args.address, args.model, [{"features": r.tolist()} for r in rows])
+    with LoadGenerator(args.workers, args.cpus, http_client=args.http_client, grpc_client=args.grpc_client) as gen:
+        r = gen.open(t, args.rate, args.duration) if args.rate else gen.closed(t, max(args.concurrency, 1), args.duration)
+    d = r.to_dict()
+    print(json.dumps(d, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The peer servers, each a real process of its own, serving the same fraud model.
+
+- scorestack: the compiled model folder in the local Triton (derived dynamic batching);
+- scorestack without batching: a copy of the folder with the dynamic_batching block dropped;
+- the floor: a copy with Triton's response cache enabled (the benchmark repeats its requests);
+- MLServer + mlserver-xgboost with adaptive batching (its own venv, KServe v2 gRPC);
+- FastAPI + uvicorn (1 worker) with XGBoost `predict_proba`, and with onnxruntime (HTTP/JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+from peers.model import FraudModel
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Peer:
+    """A started server: where to send, which processes to charge CPU to, how it was set up."""
+
+    name: str
+    protocol: str  # grpc | http
+    address: str
+    model: str  # gRPC model name or HTTP path
+    input_name: str
+    description: str
+    config: dict
+    versions: dict
+    pids: Callable[[], list[int]]
+    stop: Callable[[], None]
+    stats: Callable[[], dict | None] = field(default=lambda: None)  # executions / inferences so far (Triton)
+
+
+def _free_port() -> int:
+    from scorestack.serve.server import free_port
+
+    return free_port()
+
+
+def _wait_port(host: str, port: int, proc: subprocess.Popen | None, timeout_s: float, what: str, log: Path | None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode} before listening on {host}:{port}:\n{tail}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on {host}:{port} within {timeout_s} s")
+
+
+def _stop_proc(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def _pkg_versions(names: tuple[str, ...]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for n in names:
+        try:
+            out[n] = metadata.version(n)
+        except metadata.PackageNotFoundError:
+            out[n] = None
+    return out
+
+
+# -- Triton variants -------------------------------------------------------------------------------
+def triton_variants(model: FraudModel, root: Path) -> dict[str, Path]:
+    """A repository per variant: the compiled folder as is, without dynamic batching, with the response cache."""
+    from scorestack.triton_config import load_config, write_config
+
+    out = {}
+    for variant in ("batching", "nobatch", "cache"):
+        repo = root / f"repo_{variant}"
+        if repo.exists():
+            shutil.rmtree(repo)
+        name = "fraud_xgb" if variant == "batching" else f"fraud_xgb_{variant}"
+        dest = repo / name
+        shutil.copytree(model.model_dir, dest, symlinks=False)
+        cfg = load_config(dest / "config.pbtxt")
+        cfg.name = name
+        if variant == "nobatch":
+            cfg.ClearField("dynamic_batching")
+        elif variant == "cache":
+            cfg.response_cache.enable = True
+        write_config(cfg, dest / "config.pbtxt")
+        out[variant] = dest
+    return out
+
+
+def start_triton(name: str, model_dir: Path, description: str) -> Peer:
+    from scorestack.serve import LocalTriton
+    from scorestack.triton_config import format_config, load_config
+
+    server = LocalTriton(model_dir.parent, models=[model_dir.name], strict=True)
+    server.start()
+    meta = json.loads(urllib.request.urlopen(f"http://{server.http_url}/v2", timeout=5).read())
+    cfg = load_config(model_dir / "config.pbtxt")
+    batching = format_config(cfg).split("dynamic_batching", 1)
+    summary = {
+        "server": "tritonserver (local view, Python backend running the compiled artifact)",
+        "max_batch_size": cfg.max_batch_size,
+        "instances": [f"{g.count} x {model_config_kind(g.kind)}" for g in cfg.instance_group],
+        "dynamic_batching": ("dynamic_batching" + batching[1].split("\n}\n", 1)[0] + "\n}") if len(batching) > 1 else None,
+        "response_cache": bool(cfg.response_cache.enable),
+        "scorestack_parameters": {k: v.string_value for k, v in cfg.parameters.items() if k != "scorestack_dispatch"},
+        "dispatch": json.loads(cfg.parameters["scorestack_dispatch"].string_value) if "scorestack_dispatch" in cfg.parameters else None,
+    }
+
+    def stats() -> dict | None:
+        try:
+            body = json.loads(urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model_dir.name}/stats", timeout=5).read())
+        except OSError:
+            return None
+        s = body["model_stats"][0]
+        return {"inferences": int(s.get("inference_count", 0)), "executions": int(s.get("execution_count", 0)),
+                "cache_hits": int(s["inference_stats"].get("cache_hit", {}).get("count", 0))}
+
+    return Peer(
+        name=name, protocol="grpc", address=server.grpc_url, model=model_dir.name, input_name="features", description=description,
+        config=summary, versions={"triton": meta.get("version"), "server_environment": _server_env_versions()},
+        pids=lambda: [server.process.pid] if server.process is not None else [], stop=server.stop, stats=stats,
+    )
+
+
+def model_config_kind(kind: int) -> str:
+    from tritonclient.grpc import model_config_pb2
+
+    return model_config_pb2.ModelInstanceGroup.Kind.Name(kind)
+
+
+def _server_env_versions() -> dict:
+    from scorestack.serve import ensure_server_environment
+
+    env = ensure_server_environment()
+    code = ("import json\nfrom importlib import metadata as m\nout={}\n"
+            "for p in ('numpy','onnxruntime','xgboost','xgboost-cpu','nvidia-pytriton'):\n"
+            "    try: out[p]=m.version(p)\n    except m.PackageNotFoundError: pass\nprint(json.dumps(out))")
+    res = subprocess.run([str(env.python), "-c", code], capture_output=True, text=True, timeout=60)
+    return json.loads(res.stdout) if res.returncode == 0 else {}
+
+
+# -- MLServer --------------------------------------------------------------------------------------
+def start_mlserver(model: FraudModel, run_dir: Path, max_batch_size: int, max_batch_time_us: int, log=print) -> Peer:
+    from peers.envs import MLSERVER_REPORTED, mlserver_env
+
+    env = mlserver_env(log=log)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ports = {"http_port": _free_port(), "grpc_port": _free_port(), "metrics_port": _free_port()}
+    settings = (HERE / "mlserver" / "settings.json").read_text()
+    for k, v in ports.items():
+        settings = settings.replace("{" + k + "}", str(v))
+    (run_dir / "settings.json").write_text(settings)
+    mdir = run_dir / "fraud_xgb"
+    mdir.mkdir(exist_ok=True)
+    shutil.copy(model.xgb_json, mdir / "fraud_xgb.json")
+    ms = (HERE / "mlserver" / "model-settings.json").read_text()
+    values = {"name": "fraud_xgb", "uri": "./fraud_xgb.json", "max_batch_size": str(max_batch_size), "max_batch_time_s": f"{max_batch_time_us / 1e6:.6f}"}
+    for k, v in values.items():
+        ms = ms.replace("{" + k + "}", v)
+    (mdir / "model-settings.json").write_text(ms)
+    logf = run_dir / "mlserver.log"
+    # One OpenMP thread per XGBoost call, as scorestack's compiled model and the FastAPI peers.
+    penv = {**os.environ, "PATH": f"{env.bin}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+    penv.pop("PYTHONPATH", None)
+    with open(logf, "ab") as fh:
+        proc = subprocess.Popen([str(env.bin / "mlserver"), "start", str(run_dir)], stdout=fh, stderr=subprocess.STDOUT,
+                                cwd=run_dir, env=penv, start_new_session=True)
+    try:
+        _wait_port("127.0.0.1", ports["grpc_port"], proc, 120, "mlserver", logf)
+        _wait_ready_http(f"http://127.0.0.1:{ports['http_port']}/v2/models/fraud_xgb/ready", proc, 120, "mlserver model fraud_xgb", logf)
+    except Exception:
+        _stop_proc(proc)
+        raise
+    return Peer(
+        name="mlserver", protocol="grpc", address=f"127.0.0.1:{ports['grpc_port']}", model="fraud_xgb", input_name="features",
+        description="MLServer + mlserver-xgboost, adaptive batching, KServe v2 gRPC",
+        config={"settings.json": json.loads(settings), "model-settings.json": json.loads(ms), "venv": str(env.root),
+                "environment": {"OMP_NUM_THREADS": "1"}, "command": "mlserver start <run dir>"},
+        versions=env.versions(MLSERVER_REPORTED), pids=lambda: [proc.pid], stop=lambda: _stop_proc(proc),
+    )
+
+
+def _wait_ready_http(url: str, proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what}: server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} not ready within {timeout_s} s ({last}); log {log}")
+
+
+# -- FastAPI ---------------------------------------------------------------------------------------
+def start_fastapi(runtime: str, model: FraudModel, run_dir: Path, threads: int = 1) -> Peer:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    path = model.xgb_json if runtime == "xgboost" else model.onnx
+    cmd = [sys.executable, str(HERE / "fastapi_app.py"), "--runtime", runtime, "--model", str(path), "--features",
+           str(len(model.features)), "--threads", str(threads), "--port", str(port)]
+    logf = run_dir / f"fastapi_{runtime}.log"
+    with open(logf, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_ready_http(f"http://127.0.0.1:{port}/health", proc, 60, f"fastapi ({runtime})", logf)
+    except Exception:
+        _stop_proc(proc)
+        raise
+    lib = "xgboost-cpu" if runtime == "xgboost" else "onnxruntime"
+    return Peer(
+        name=f"fastapi_{runtime}", protocol="http", address=f"127.0.0.1:{port}", model="/predict", input_name="features",
+        description=f"FastAPI + uvicorn (1 worker) + {'XGBoost predict_proba' if runtime == 'xgboost' else 'onnxruntime'} per request, HTTP/1.1 JSON",
+        config={"command": " ".join(Path(c).name if c.startswith("/") else c for c in cmd[1:]), "workers": 1, "access_log": False,
+                "model": Path(path).name,
+                "runtime_options": f"XGBClassifier.load_model, n_jobs={threads}" if runtime == "xgboost"
+                else f"InferenceSession(CPUExecutionProvider), intra_op_num_threads={threads}, inter_op_num_threads=1",
+                "request": 'POST /predict {"features": [30 floats]} (pydantic) -> {"probability": p}'},
+        versions=_pkg_versions(("fastapi", "uvicorn", "pydantic", "uvloop", "httptools", lib, "numpy")),
+        pids=lambda: [proc.pid], stop=lambda: _stop_proc(proc),
+    )
+
+
+def tmp_run_dir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))

@@ -1,0 +1,291 @@
+"""benchmarks/REPORT.md, generated from benchmarks/results/*.json (tables) with PNG plots in results/plots/.
+
+Each results file with a renderer in SECTIONS gets a section; every other results/<name>.md is
+linked under "Other benchmarks". A benchmark adds its section by adding a renderer here.
+
+    .venv/bin/python benchmarks/report.py      # regenerate REPORT.md from the results on disk
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+PLOTS = RESULTS / "plots"
+REPORT = HERE / "REPORT.md"
+
+LABELS = {
+    "scorestack": "scorestack (derived batching)",
+    "scorestack_nobatch": "scorestack, no batching",
+    "triton_cache_floor": "Triton response-cache hit (floor)",
+    "mlserver": "MLServer + mlserver-xgboost",
+    "fastapi_onnxruntime": "FastAPI + onnxruntime",
+    "fastapi_xgboost": "FastAPI + XGBoost",
+}
+PERF_ANALYZER_NOTE = (
+    "NVIDIA's `perf_analyzer` (the usual Triton load tool) cannot run here: its wheels need glibc 2.38 and this machine "
+    "has glibc 2.36 (Debian 12; PLATFORM_NOTES). The suite uses its own load generator, `benchmarks/loadgen.py`."
+)
+
+
+def _f(x, fmt: str = "{:.2f}") -> str:  # noqa: ANN001
+    return "–" if x is None else fmt.format(x)
+
+
+def _point(summary: dict, target: str, mode: str, key: str) -> dict | None:
+    return summary.get(target, {}).get(mode, {}).get(key)
+
+
+# -- the issue's must-show targets ----------------------------------------------------------------
+def evaluate_peers(data: dict) -> list[dict]:
+    """Issue 14's targets for the fraud model, each met or missed, with the numbers and the phase that holds a miss."""
+    s = data.get("summary", {})
+    rows: list[dict] = []
+    ours = _point(s, "scorestack", "closed", "64")
+    if ours is None:
+        return [{"target": "scorestack measured at concurrency 64", "met": False, "measured": "scorestack was not measured", "phase": "–"}]
+    budget = data.get("model", {}).get("latency_budget_ms")
+
+    def cpu_note(peer: dict | None) -> str:
+        if peer is None:
+            return ""
+        return (f"server CPU {_f(ours['server_cpu_us_per_request'], '{:.0f}')} vs {_f(peer['server_cpu_us_per_request'], '{:.0f}')} µs/request, "
+                f"load generator {_f(ours['client_cpu_cores'])} cores of {data['machine']['cores']}")
+
+    for peer_name, factor, p99_too in (("triton_cache_floor", 0.85, False), ("mlserver", 8.0, True),
+                                       ("fastapi_onnxruntime", 3.5, True), ("fastapi_xgboost", 8.0, True)):
+        peer = _point(s, peer_name, "closed", "64")
+        label = f"c64 throughput >= {factor:g}x {LABELS[peer_name]}" + (" at an equal or better p99" if p99_too else "")
+        if peer is None or not peer["throughput"]:
+            rows.append({"target": label, "met": False, "measured": f"{peer_name} not measured", "phase": "–"})
+            continue
+        ratio = ours["throughput"] / peer["throughput"]
+        p99_ok = (not p99_too) or ours["p99_ms"] <= peer["p99_ms"]
+        met = ratio >= factor and p99_ok
+        measured = (f"{ours['throughput']:,.0f} vs {peer['throughput']:,.0f} req/s = {ratio:.2f}x; "
+                    f"p99 {ours['p99_ms']:.1f} vs {peer['p99_ms']:.1f} ms")
+        phase = "–" if met else ("server: per-request cost of the request path (Triton gRPC frontend + Python backend + model); " + cpu_note(peer))
+        if not met and ratio >= factor and not p99_ok:
+            phase = f"tail latency: p99 {ours['p99_ms']:.1f} ms against {peer['p99_ms']:.1f} ms (queue wait under 64 callers)"
+        rows.append({"target": label, "met": met, "measured": measured, "phase": phase, "ratio": ratio})
+    rejected = ours["errors"].get("rejected", 0)
+    other = sum(v for k, v in ours["errors"].items() if k != "rejected")
+    rows.append({"target": "c64 closed loop: zero rejections (and zero errors)", "met": rejected == 0 and other == 0,
+                 "measured": f"{rejected} rejected, {other} other errors of {ours['sent']:,} sent ({ours['rounds']} rounds)",
+                 "phase": "–" if rejected == 0 else
+                 f"queue policy: a request queued longer than default_timeout_us={data['model']['triton'].get('default_timeout_us')} µs is rejected "
+                 f"(p99.9 {ours['p999_ms']:.1f} ms)"})
+    c1 = _point(s, "scorestack", "closed", "1")
+    nob = _point(s, "scorestack_nobatch", "closed", "1")
+    onx = _point(s, "fastapi_onnxruntime", "closed", "1")
+    delay = data.get("model", {}).get("triton", {}).get("max_queue_delay_us")
+    if c1 and nob:
+        met = c1["p50_ms"] <= nob["p50_ms"]
+        rows.append({"target": "c1 p50 no worse than Triton without batching", "met": met,
+                     "measured": f"{c1['p50_ms']:.3f} vs {nob['p50_ms']:.3f} ms",
+                     "phase": "–" if met else f"queue: a lone request waits the batching delay (max_queue_delay_us={delay})"})
+    if c1 and onx:
+        met = c1["p50_ms"] <= 1.2 * onx["p50_ms"]
+        rows.append({"target": "c1 p50 within 1.2x FastAPI + onnxruntime", "met": met,
+                     "measured": f"{c1['p50_ms']:.3f} vs {onx['p50_ms']:.3f} ms = {c1['p50_ms'] / onx['p50_ms']:.2f}x",
+                     "phase": "–" if met else (f"queue delay ({delay} µs) + server path: {_f(c1['server_cpu_us_per_request'], '{:.0f}')} vs "
+                                               f"{_f(onx['server_cpu_us_per_request'], '{:.0f}')} µs server CPU/request (gRPC frontend, Python backend stub IPC)")})
+    over = _point(s, "scorestack", "open", "1.2")
+    if over:
+        rejected = over["errors"].get("rejected", 0)
+        shed = rejected > 0
+        p99_ok = budget is not None and over["p99_ms"] <= budget
+        rows.append({"target": f"open loop at 120% of capacity: excess shed by rejection, served p99 <= budget ({budget} ms)",
+                     "met": shed and p99_ok,
+                     "measured": f"offered {over['rate']:,.0f}/s, served {over['throughput']:,.0f}/s, {rejected:,} rejected of {over['sent']:,}, "
+                                 f"served p99 {over['p99_ms']:.1f} ms",
+                     "phase": "–" if shed and p99_ok else
+                     ("queue policy: overload was not shed" if not shed else "queue: served requests waited past the budget before rejection")})
+    return rows
+
+
+# -- plots -----------------------------------------------------------------------------------------
+def _color(name: str) -> str:
+    return f"C{list(LABELS).index(name)}" if name in LABELS else "C9"
+
+
+_PLOT_DIR = {"dir": PLOTS, "base": HERE}  # where write_report puts this run's plots, and what their links are relative to
+
+
+def _plots(data: dict) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots, base = _PLOT_DIR["dir"], _PLOT_DIR["base"]
+    plots.mkdir(parents=True, exist_ok=True)
+    s = data["summary"]
+    out = []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, pct in zip(axes, ("p50_ms", "p99_ms")):
+        for name, modes in s.items():
+            pts = sorted((int(c), v[pct]) for c, v in modes["closed"].items() if v[pct] is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=_color(name), label=LABELS.get(name, name))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent callers (closed loop)")
+        ax.set_title(pct.replace("_ms", "") + " latency")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("ms (median of rounds)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    path = plots / "peers_latency_by_concurrency.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    out.append(("Latency by concurrency (closed loop)", os.path.relpath(path, base)))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, modes in s.items():
+        color = _color(name)
+        pts = sorted((int(c), v["throughput"], v["p99_ms"]) for c, v in modes["closed"].items() if v["p99_ms"] is not None)
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", color=color, label=LABELS.get(name, name))
+        op = [(v["throughput"], v["p99_ms"]) for v in modes["open"].values() if v["p99_ms"] is not None]
+        if op:
+            ax.scatter([p[0] for p in op], [p[1] for p in op], marker="x", color=color)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("served requests/s")
+    ax.set_ylabel("p99 ms")
+    ax.set_title("Throughput against p99 (o closed loop 1/16/64, x open loop 50/80/120%)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = plots / "peers_throughput_vs_p99.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    out.append(("Throughput against p99", os.path.relpath(path, base)))
+    return out
+
+
+# -- sections --------------------------------------------------------------------------------------
+def render_peers(data: dict) -> list[str]:
+    s = data["summary"]
+    m = data["machine"]
+    lines = [
+        "## Side by side: the fraud model on scorestack and on what a user would pick instead",
+        "",
+        f"Run {data['date']} ({data['mode']} mode, {data['settings']['rounds']} interleaved rounds, {data['settings']['duration_s']} s per point "
+        f"after {data['settings']['warmup_s']} s warm-up, {data['seconds']} s in all). Machine: {m['cores']} cores, {m['cpu_model']}, "
+        f"{m['memory_gib']} GiB, {m['platform']}, Python {m['python']}. Load average before {data['load_before']}, after {data['load_after']}"
+        + (f"; another measurement held the machine: {data['quiet_file']['other_holder']}"
+           if (data.get("quiet_file") or {}).get("measured_while_held_by_other") else "") + ".",
+        "",
+        f"Model: {data['model']['source']}; scorestack serves its compiled form ({data['model']['selected']}: "
+        f"{', '.join(data['model']['artifacts'] or [])}) with the derived Triton settings {json.dumps(data['model']['triton'])}; "
+        f"latency budget {data['model']['latency_budget_ms']} ms. Every server runs on the same machine as the load generator "
+        f"(they share the {m['cores']} cores); every point is the median over rounds, ranges in brackets. "
+        "Requests: one row each (batch 1), 64 distinct held-out rows cycled.",
+        "",
+        "| target | protocol | c1 p50 ms | c1 p99 ms | c16 req/s | c16 p99 ms | c64 req/s [range] | c64 p50 ms | c64 p99 ms | c64 p99.9 ms | errors @c64 | server CPU µs/req @c64 | load gen cores @c64 | avg batch @c64 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, modes in s.items():
+        c = modes["closed"]
+        c1, c16, c64 = c.get("1"), c.get("16"), c.get("64")
+        proto = data["peers"].get(name, {}).get("protocol", "?")
+        proto = "KServe v2 gRPC" if proto == "grpc" else "HTTP/1.1 JSON"
+        err = "–"
+        if c64:
+            n_err = sum(c64["errors"].values())
+            err = "0" if n_err == 0 else ", ".join(f"{k} {v} ({100 * v / max(c64['sent'], 1):.2f}%)" for k, v in c64["errors"].items())
+        rng = f" [{c64['throughput_range'][0]:,.0f}–{c64['throughput_range'][1]:,.0f}]" if c64 and c64.get("throughput_range") else ""
+        lines.append(
+            f"| {LABELS.get(name, name)} | {proto} | {_f(c1 and c1['p50_ms'])} | {_f(c1 and c1['p99_ms'])} | {_f(c16 and c16['throughput'], '{:,.0f}')} | "
+            f"{_f(c16 and c16['p99_ms'], '{:.1f}')} | {_f(c64 and c64['throughput'], '{:,.0f}')}{rng} | {_f(c64 and c64['p50_ms'], '{:.1f}')} | "
+            f"{_f(c64 and c64['p99_ms'], '{:.1f}')} | {_f(c64 and c64['p999_ms'], '{:.1f}')} | {err} | "
+            f"{_f(c64 and c64['server_cpu_us_per_request'], '{:.0f}')} | {_f(c64 and c64['client_cpu_cores'])} | {_f(c64 and c64['avg_batch'], '{:.1f}')} |")
+    for name, why in data.get("peers_failed", {}).items():
+        lines.append(f"| {LABELS.get(name, name)} | not measured: {why[:200]} |" + " |" * 12)
+    lines += ["", "### Open loop (Poisson arrivals at fractions of each target's closed-loop maximum in the same round)", "",
+              "Latency is counted from each request's scheduled send time, so a server (or client) that falls behind pays for the wait "
+              "(no coordinated omission).", "",
+              "| target | offered | rate/s | sent/s | served/s | p50 ms | p99 ms | p99.9 ms | rejected | other errors | client send lag p99 ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, modes in s.items():
+        for frac, v in sorted(modes["open"].items(), key=lambda kv: float(kv[0])):
+            rej = v["errors"].get("rejected", 0)
+            other = ", ".join(f"{k} {n}" for k, n in v["errors"].items() if k != "rejected") or "0"
+            if v["dropped"]:
+                other += f", {v['dropped']:,} not sent (client backlog)"
+            lines.append(f"| {LABELS.get(name, name)} | {float(frac):.0%} | {v['rate']:,.0f} | {v['achieved_rate']:,.0f} | {v['throughput']:,.0f} | "
+                         f"{v['p50_ms']:.2f} | {v['p99_ms']:.1f} | {v['p999_ms']:.1f} | {rej:,} ({100 * rej / max(v['sent'], 1):.1f}%) | "
+                         f"{other} | "
+                         f"{_f(v['send_lag_ms_p99'])} |")
+    lines += ["", "### Issue 14's targets (fraud model)", "", "| target | met | measured (medians) | where a miss is held |", "|---|---|---|---|"]
+    for row in data.get("must_show") or evaluate_peers(data):
+        lines.append(f"| {row['target']} | {'met' if row['met'] else '**missed**'} | {row['measured']} | {row['phase']} |")
+    lines += ["", "### Plots", ""]
+    for title, rel in _plots(data):
+        lines += [f"![{title}]({rel})", ""]
+    lines += ["### How each peer was configured", ""]
+    for name, p in data["peers"].items():
+        vers = ", ".join(f"{k} {v}" for k, v in _flat(p["versions"]).items() if v)
+        lines += [f"- **{LABELS.get(name, name)}** — {p['description']}. Versions: {vers}.",
+                  f"  <details><summary>configuration</summary>\n\n  ```json\n  {json.dumps(p['config'], indent=None)[:3000]}\n  ```\n  </details>"]
+    lg = data["loadgen"]
+    lines += ["", "### The load generator", "",
+              f"`benchmarks/loadgen.py`, {lg['workers']} worker process(es) separate from every server"
+              + (f", pinned to cores {lg['pinned_cpus']}" if lg.get("pinned_cpus") else ", not pinned (the scheduler places it)")
+              + f". gRPC: {lg['grpc']}. HTTP: {lg['http']}. Versions: "
+              + ", ".join(f"{k} {v}" for k, v in lg["versions"].items() if v) + ". Its CPU share is measured per point (os.times over the "
+              "measured window) and shown above as 'load gen cores'; server CPU is the server process tree's CPU time over the same window "
+              "divided by requests sent.", "", PERF_ANALYZER_NOTE, ""]
+    if data.get("client_check"):
+        lines += ["Client cost, concurrency 16 (why the raw clients):", "", "| target | client | req/s | p50 ms | client CPU µs/request | client cores |", "|---|---|---|---|---|---|"]
+        for c in data["client_check"]:
+            lines.append(f"| {LABELS.get(c['target'], c['target'])} | {c['client']} | {c['throughput']:,.0f} | {c['p50_ms']:.2f} | "
+                         f"{c['client_cpu_us_per_request']:.0f} | {c['client_cpu_cores']:.2f} |")
+        lines.append("")
+    return lines
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+SECTIONS: dict[str, Callable[[dict], list[str]]] = {"peers.json": render_peers}
+
+
+def write_report(results: Path = RESULTS, out: Path = REPORT, sources: dict[str, Path] | None = None) -> Path:
+    """Write `out` from the results files (`sources` maps a section's file name to another path, e.g. a trial run)."""
+    lines = ["# Benchmarks", "",
+             "Generated by `benchmarks/report.py` from `benchmarks/results/*.json` (regenerate: `.venv/bin/python benchmarks/report.py`; "
+             "run everything: `scripts/bench.sh`, or `scripts/bench.sh --quick`). Numbers come from a shared 2-core machine: ratios hold "
+             "better than absolute times.", ""]
+    rendered = set()
+    _PLOT_DIR.update(dir=PLOTS if out == REPORT else out.parent / f"{out.stem}_plots", base=out.parent)
+    for name, render in SECTIONS.items():
+        path = (sources or {}).get(name, results / name)
+        if path.exists():
+            lines += render(json.loads(path.read_text()))
+            rendered.add(path.stem)
+    others = sorted(p for p in results.glob("*.md") if p.stem not in rendered)
+    if others:
+        lines += ["## Other benchmarks", ""]
+        for p in others:
+            title = next((ln.lstrip("# ").strip() for ln in p.read_text().splitlines() if ln.startswith("#")), p.stem)
+            lines.append(f"- [{title}](results/{p.name})")
+        lines.append("")
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    print(write_report())

@@ -1,0 +1,318 @@
+"""Side by side: scorestack against what a user would pick instead, same fraud model, same machine, one run.
+
+Starts every peer as its own server process (benchmarks/peers/), then measures them in interleaved
+rounds (round-robin over the targets, the order rotated each round, so drift hits all alike):
+closed loop at each concurrency, then open loop (Poisson) at fractions of the target's closed-loop
+maximum measured in that round. Writes benchmarks/results/peers.json (raw numbers, machine, load,
+versions, configuration of each peer) and regenerates benchmarks/REPORT.md with its plots.
+
+    .venv/bin/python benchmarks/suite.py            # the full comparison (~9 minutes)
+    .venv/bin/python benchmarks/suite.py --quick    # one round, ~1 s per point (~1.5 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # loadgen, peers, report live beside this file
+
+import numpy as np  # noqa: E402
+
+import loadgen  # noqa: E402
+import report  # noqa: E402
+from peers import servers  # noqa: E402
+from peers.model import prepare  # noqa: E402
+
+RESULTS = HERE / "results"
+TARGETS = ("scorestack", "scorestack_nobatch", "triton_cache_floor", "mlserver", "fastapi_onnxruntime", "fastapi_xgboost")
+DESCRIPTIONS = {
+    "scorestack": "scorestack: compiled fraud model in the local Triton, derived dynamic batching, KServe v2 gRPC",
+    "scorestack_nobatch": "the same model folder with the dynamic_batching block removed, KServe v2 gRPC",
+    "triton_cache_floor": "Triton response-cache hit (same 64 requests repeated, response_cache enabled): the server-path floor, KServe v2 gRPC",
+}
+RESULT_FIELDS = ("sent", "ok", "errors", "error_samples", "dropped", "scheduled", "throughput", "achieved_rate", "p50_ms", "p90_ms",
+                 "p99_ms", "p999_ms", "mean_ms", "max_ms", "client_cpu_cores", "client_cpu_us_per_request", "send_lag_ms_p99",
+                 "workers", "server_cpu_cores", "server_cpu_us_per_request")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def machine_info() -> dict:
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), platform.processor())
+    mem = next((ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")), "0")
+    return {"cores": os.cpu_count(), "cpu_model": model, "memory_gib": round(int(mem) / 2**20, 1), "platform": platform.platform(),
+            "python": platform.python_version(), "glibc": platform.libc_ver()[1]}
+
+
+def loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def start_peers(model, run_dir: Path, names: tuple[str, ...]) -> tuple[dict, dict]:
+    """Start every requested peer; a peer that fails to start is recorded with its reason, the rest run."""
+    started: dict[str, servers.Peer] = {}
+    failed: dict[str, str] = {}
+    variants = servers.triton_variants(model, run_dir)
+    triton = model.report.get("triton", {})
+    for name in names:
+        log(f"starting {name}")
+        try:
+            if name == "scorestack":
+                peer = servers.start_triton(name, variants["batching"], DESCRIPTIONS[name])
+            elif name == "scorestack_nobatch":
+                peer = servers.start_triton(name, variants["nobatch"], DESCRIPTIONS[name])
+            elif name == "triton_cache_floor":
+                peer = servers.start_triton(name, variants["cache"], DESCRIPTIONS[name])
+            elif name == "mlserver":
+                # Adaptive batching set like scorestack's derived dynamic batching (same max batch, same delay).
+                peer = servers.start_mlserver(model, run_dir / "mlserver", int(triton.get("max_batch_size", 64)),
+                                              int(triton.get("max_queue_delay_us", 200)), log=log)
+            elif name in ("fastapi_onnxruntime", "fastapi_xgboost"):
+                peer = servers.start_fastapi(name.split("_", 1)[1], model, run_dir)
+            else:
+                raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
+        except Exception as exc:  # noqa: BLE001 - the comparison runs without it and says why
+            failed[name] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
+            log(f"  {name} did not start: {failed[name][:300]}")
+            continue
+        started[name] = peer
+    return started, failed
+
+
+def make_target(peer: servers.Peer, rows: np.ndarray) -> loadgen.Target:
+    if peer.protocol == "grpc":
+        return loadgen.grpc_target(peer.name, peer.address, peer.model, peer.input_name, rows, description=peer.description)
+    return loadgen.http_target(peer.name, peer.address, peer.model, [{"features": r.tolist()} for r in rows], description=peer.description)
+
+
+def _record(res: loadgen.Result, **extra) -> dict:
+    d = res.to_dict()
+    return {**extra, **{k: d[k] for k in RESULT_FIELDS}}
+
+
+def measure_point(gen: loadgen.LoadGenerator, peer: servers.Peer, target: loadgen.Target, mode: str, value: float,
+                  duration_s: float, warmup_s: float) -> loadgen.Result:
+    before = peer.stats()
+    if mode == "closed":
+        res = gen.closed(target, int(value), duration_s, warmup_s, server_pids=peer.pids)
+    else:
+        res = gen.open(target, value, duration_s, warmup_s, server_pids=peer.pids, seed=int(value))
+    after = peer.stats()
+    res.__dict__["server_stats"] = None
+    if before and after:
+        execs = after["executions"] - before["executions"]
+        infers = after["inferences"] - before["inferences"]
+        res.__dict__["server_stats"] = {"avg_batch": round(infers / execs, 2) if execs else None,
+                                        "cache_hits": after["cache_hits"] - before["cache_hits"], "inferences": infers}
+    return res
+
+
+def client_check(gen_factory, peers: dict, rows: np.ndarray, duration_s: float, warmup_s: float) -> list[dict]:
+    """The load generator's own cost: raw prebuilt bytes against the stock clients, at concurrency 16."""
+    out = []
+    pairs = [("triton_cache_floor", "grpc_client", ("raw", "tritonclient")), ("fastapi_onnxruntime", "http_client", ("raw", "aiohttp"))]
+    for name, knob, clients in pairs:
+        if name not in peers:
+            continue
+        target = make_target(peers[name], rows)
+        for client in clients:
+            with gen_factory(**{knob: client}) as gen:
+                res = gen.closed(target, 16, duration_s, warmup_s, server_pids=peers[name].pids)
+            out.append({"target": name, "protocol": peers[name].protocol, "client": client, "concurrency": 16,
+                        "throughput": res.throughput, "p50_ms": res.p50_ms, "client_cpu_us_per_request": res.client_cpu_us_per_request,
+                        "client_cpu_cores": res.client_cpu_cores, "errors": res.errors})
+            log(f"client check {name} {client}: {res.throughput:,.0f} req/s, client CPU {res.client_cpu_us_per_request:.0f} µs/request")
+    return out
+
+
+def summarize_runs(runs: list[dict]) -> dict:
+    """Median over rounds (and the min-max range) per target and point."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        key = (r["target"], r["mode"], r["concurrency"] if r["mode"] == "closed" else r["fraction"])
+        groups.setdefault(key, []).append(r)
+    out: dict = {}
+    for (target, mode, point), rs in groups.items():
+        def med(k):  # noqa: ANN001, ANN202
+            vals = [r[k] for r in rs if r.get(k) is not None and not (isinstance(r[k], float) and np.isnan(r[k]))]
+            return statistics.median(vals) if vals else None
+
+        def rng(k):  # noqa: ANN001, ANN202
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            return [min(vals), max(vals)] if vals else None
+
+        errors: dict[str, int] = {}
+        for r in rs:
+            for k, v in r["errors"].items():
+                errors[k] = errors.get(k, 0) + v
+        batches = [r["server_stats"]["avg_batch"] for r in rs if r.get("server_stats") and r["server_stats"].get("avg_batch")]
+        entry = {k: med(k) for k in ("throughput", "achieved_rate", "rate", "p50_ms", "p90_ms", "p99_ms", "p999_ms", "client_cpu_cores",
+                                     "client_cpu_us_per_request", "server_cpu_cores", "server_cpu_us_per_request", "send_lag_ms_p99")}
+        entry.update({"rounds": len(rs), "sent": sum(r["sent"] for r in rs), "ok": sum(r["ok"] for r in rs), "errors": errors,
+                      "dropped": sum(r["dropped"] for r in rs), "throughput_range": rng("throughput"), "p99_range": rng("p99_ms"),
+                      "p50_range": rng("p50_ms"), "avg_batch": statistics.median(batches) if batches else None})
+        out.setdefault(target, {"closed": {}, "open": {}})[mode][str(point)] = entry
+    for target, modes in out.items():
+        caps = [v["throughput"] for v in modes["closed"].values() if v["throughput"]]
+        modes["capacity"] = max(caps) if caps else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one round, 1 s per point: a few seconds per point")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; quick 1)")
+    ap.add_argument("--duration", type=float, default=None, help="measured seconds per point (default 2.5; quick 1)")
+    ap.add_argument("--warmup", type=float, default=None, help="unmeasured seconds before each point (default 0.5; quick 0.3)")
+    ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {','.join(TARGETS)}")
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--open-fractions", default="0.5,0.8,1.2", help="open-loop rates as fractions of each target's closed-loop maximum")
+    ap.add_argument("--workers", type=int, default=1, help="load generator processes (each is a Python process on these 2 cores)")
+    ap.add_argument("--client-cpus", default=None, help="pin the load generator to these cores, e.g. 1 or 0,1")
+    ap.add_argument("--no-client-check", action="store_true", help="skip the raw-vs-stock client cost comparison")
+    ap.add_argument("--out", type=Path, default=RESULTS / "peers.json")
+    ap.add_argument("--quiet-file", type=Path, default=None,
+                    help="a shared 'someone is measuring' marker: wait while another process holds it, hold it while this suite measures")
+    ap.add_argument("--quiet-wait", type=float, default=1800, help="seconds to wait for the marker before measuring anyway (recorded)")
+    args = ap.parse_args(argv)
+
+    rounds = args.rounds or (1 if args.quick else 3)
+    duration = args.duration or (1.0 if args.quick else 2.5)
+    warmup = args.warmup if args.warmup is not None else (0.3 if args.quick else 0.5)
+    names = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        ap.error(f"--targets: unknown {unknown}; choose from {', '.join(TARGETS)}")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    fractions = [float(f) for f in args.open_fractions.split(",")]
+    cpus = [int(c) for c in args.client_cpus.split(",")] if args.client_cpus else None
+
+    started_at = time.time()
+    waited = hold_quiet(args.quiet_file, args.quiet_wait) if args.quiet_file else None
+    try:
+        return _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, cpus, started_at, waited)
+    finally:
+        if args.quiet_file:
+            release_quiet(args.quiet_file)
+
+
+def hold_quiet(path: Path, max_wait_s: float) -> dict:
+    """Wait until no one else holds `path`, then hold it (one line naming this suite)."""
+    t0 = time.monotonic()
+    other = None
+    while path.exists() and time.monotonic() - t0 < max_wait_s:
+        other = path.read_text().strip()
+        if other.startswith(f"benchmarks/suite.py pid {os.getpid()}"):
+            break
+        log(f"waiting: {path} says {other!r}")
+        time.sleep(15)
+    busy = path.exists()
+    path.write_text(f"benchmarks/suite.py pid {os.getpid()} (issue 14 peers comparison), started {time.strftime('%H:%M:%S')} UTC\n")
+    return {"waited_s": round(time.monotonic() - t0, 1), "other_holder": other, "measured_while_held_by_other": busy}
+
+
+def release_quiet(path: Path) -> None:
+    if path.exists() and path.read_text().startswith(f"benchmarks/suite.py pid {os.getpid()}"):
+        path.unlink()
+
+
+def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, cpus, started_at, waited) -> int:  # noqa: ANN001, PLR0913
+    data: dict = {
+        "name": "peers", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["benchmarks/suite.py", *(argv if argv is not None else sys.argv[1:])]),
+        "mode": "quick" if args.quick else "full",
+        "settings": {"rounds": rounds, "duration_s": duration, "warmup_s": warmup, "concurrency": concurrencies, "open_fractions": fractions,
+                     "loadgen_workers": args.workers, "client_cpus": cpus, "requests": "64 distinct held-out fraud rows, cycled"},
+        "machine": machine_info(), "load_before": loadavg(),
+        "quiet_file": waited,
+    }
+    log(f"machine: {data['machine']['cores']} cores, {data['machine']['cpu_model']}; load {data['load_before']}")
+    from scorestack import paths
+
+    log("preparing the fraud model (train and compile once, cached)")
+    model = prepare(paths.workspace() / "bench_peers")
+    X = np.load(model.xgb_json.parent / "fraud_holdout.npz")["X"][:64].astype(np.float32)
+    data["model"] = {"name": "fraud_xgb", "source": "XGBoost 300 trees, depth 6, 30 features (scorestack demo)",
+                     "selected": model.report.get("selected", {}).get("format"), "artifacts": model.report.get("selected", {}).get("artifacts"),
+                     "latency_budget_ms": model.report.get("latency_budget_ms"), "triton": {k: v for k, v in model.report.get("triton", {}).items() if k != "rules"},
+                     "triton_rules": model.report.get("triton", {}).get("rules", [])}
+    run_dir = servers.tmp_run_dir("scorestack-peers-")
+    peers, failed = start_peers(model, run_dir, names)
+    data["peers"] = {n: {"description": p.description, "protocol": p.protocol, "config": p.config, "versions": p.versions} for n, p in peers.items()}
+    data["peers_failed"] = failed
+    data["loadgen"] = {"workers": args.workers, "pinned_cpus": cpus, "grpc": "grpc.aio raw unary call with prebuilt ModelInferRequest bytes (uvloop)",
+                       "http": "asyncio protocol, prebuilt HTTP/1.1 keep-alive requests, one connection per outstanding request (uvloop)",
+                       "versions": servers._pkg_versions(("grpcio", "tritonclient", "protobuf", "uvloop", "aiohttp", "numpy"))}
+    runs: list[dict] = []
+    order = [n for n in names if n in peers]
+    targets = {n: make_target(peers[n], X) for n in order}
+    total = rounds * len(order) * (len(concurrencies) + len(fractions))
+    done = 0
+
+    def gen_factory(**kw) -> loadgen.LoadGenerator:  # noqa: ANN003
+        return loadgen.LoadGenerator(args.workers, cpus, **kw)
+
+    try:
+        if not args.quick and not args.no_client_check:
+            data["client_check"] = client_check(gen_factory, peers, X, duration, warmup)
+        with gen_factory() as gen:
+            for r in range(rounds):
+                rotated = order[r % len(order):] + order[: r % len(order)] if order else []
+                for name in rotated:
+                    peer, target = peers[name], targets[name]
+                    capacity = 0.0
+                    for c in concurrencies:
+                        res = measure_point(gen, peer, target, "closed", c, duration, warmup)
+                        capacity = max(capacity, res.throughput)
+                        runs.append(_record(res, round=r, target=name, mode="closed", concurrency=c, fraction=None, rate=None,
+                                            server_stats=res.__dict__.get("server_stats")))
+                        done += 1
+                        log(f"[{done}/{total}] round {r + 1} {name:20s} closed c={c:<3d} {res.throughput:8,.0f} req/s  p50 {res.p50_ms:7.2f}  "
+                            f"p99 {res.p99_ms:7.2f} ms  errors {res.errors or 0}  client {res.client_cpu_cores:.2f} cores")
+                    for f in fractions:
+                        if capacity <= 0:
+                            continue
+                        rate = f * capacity
+                        res = measure_point(gen, peer, target, "open", rate, duration, warmup)
+                        runs.append(_record(res, round=r, target=name, mode="open", concurrency=None, fraction=f, rate=rate,
+                                            server_stats=res.__dict__.get("server_stats")))
+                        done += 1
+                        log(f"[{done}/{total}] round {r + 1} {name:20s} open {f:.0%} ({rate:,.0f}/s) served {res.throughput:8,.0f} req/s  "
+                            f"p50 {res.p50_ms:7.2f}  p99 {res.p99_ms:7.2f} ms  errors {res.errors or 0}")
+    finally:
+        for name, peer in peers.items():
+            try:
+                peer.stop()
+            except Exception as exc:  # noqa: BLE001 - stopping the others matters more
+                log(f"stopping {name}: {exc}")
+    data["load_after"] = loadavg()
+    data["seconds"] = round(time.time() - started_at, 1)
+    data["runs"] = runs
+    data["summary"] = summarize_runs(runs)
+    data["must_show"] = report.evaluate_peers(data)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=float))
+    tmp.replace(args.out)
+    log(f"wrote {args.out} ({data['seconds']} s)")
+    md = report.write_report() if args.out == RESULTS / "peers.json" else report.write_report(out=args.out.with_suffix(".md"), sources={"peers.json": args.out})
+    log(f"wrote {md}")
+    for row in data["must_show"]:
+        log(f"{'MET   ' if row['met'] else 'MISSED'} {row['target']}: {row['measured']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
