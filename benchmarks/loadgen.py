@@ -125,6 +125,7 @@ class WorkerResult:
     affinity: list[int]
     last_cpu: int
     preflight: str  # "" if the preflight request succeeded, else why not
+    sent_total: int = 0  # every request sent, warm-up included (preflight excluded)
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Result:
     workers: list[dict] = field(default_factory=list)  # affinity, last CPU, CPU share of each worker
     server_cpu_cores: float | None = None
     server_cpu_us_per_request: float | None = None
+    sent_total: int = 0  # every request sent, warm-up included; plus one preflight request per worker
 
     @property
     def rejected(self) -> int:
@@ -186,6 +188,7 @@ def summarize(target: Target, job: Job, parts: list[WorkerResult], rate: float, 
         client_cpu_cores=cpu / wall, client_cpu_us_per_request=1e6 * cpu / max(sent, 1),
         send_lag_ms_p99=max((p.send_lag_ms_p99 for p in parts), default=0.0),
         workers=[{"affinity": p.affinity, "last_cpu": p.last_cpu, "cpu_cores": round(p.cpu_s / max(p.wall_s, 1e-9), 3)} for p in parts],
+        sent_total=sum(p.sent_total for p in parts),
     )
 
 
@@ -438,15 +441,17 @@ async def _run_job(job: Job) -> WorkerResult:
 
         marker = asyncio.ensure_future(mark_cpu())
         lags: list[float] = []
-        dropped = scheduled = 0
+        dropped = scheduled = sent_total = 0
         if job.mode == "closed":
             counter = iter(range(1 << 62))
 
             async def caller() -> None:
+                nonlocal sent_total
                 while True:
                     t = time.monotonic()
                     if t >= w1:
                         return
+                    sent_total += 1
                     counted = t >= w0
                     if counted:
                         rec.sent += 1
@@ -470,6 +475,7 @@ async def _run_job(job: Job) -> WorkerResult:
                     else:
                         if counted:
                             rec.sent += 1
+                        sent_total += 1
                         task = loop.create_task(_one(sender, rec, i, t_next, counted))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
@@ -487,7 +493,7 @@ async def _run_job(job: Job) -> WorkerResult:
         lag = float(np.percentile(lags, 99) * 1e3) if lags else 0.0
         last_cpu = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[36])
         return WorkerResult(lat_ms, rec.sent, rec.ok, rec.errors, rec.samples, dropped, scheduled if job.mode == "open" else rec.sent,
-                            cpu_s, wall_s, lag, affinity, last_cpu, "")
+                            cpu_s, wall_s, lag, affinity, last_cpu, "", sent_total)
     finally:
         await sender.close()
 
