@@ -1,6 +1,6 @@
 """Feast declarations for scorestack: entities, parquet sources, feature views and feature services.
 
-`scorestack.features.store.init_repo` copies this module into a working feature repository beside
+`scorestack.features.store.write_repo` copies this module into a working feature repository beside
 its `data/` folder; `feast apply` reads it from there. Each view carries its fetch policy as Feast
 tags (`cache_ttl_s` on the view, `default` on every field), so one declaration serves
 materialization, the fast reader and the tests.
@@ -35,7 +35,7 @@ CACHE_TTL_S = {
 }
 
 # Declared defaults: what a model receives when the store has no value or cannot be read in time.
-# Medians of the demo population (scorestack.demo_data), rounded; counts of rare events are 0.
+# Medians of the demo population (scorestack.demo.data), rounded; counts of rare events are 0.
 DEFAULTS = {
     # user_fraud_profile
     "user_account_age_days": 662.0,
