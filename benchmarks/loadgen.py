@@ -113,6 +113,7 @@ class Job:
 @dataclass
 class WorkerResult:
     latencies_ms: np.ndarray
+    sent_latencies_ms: np.ndarray
     sent: int
     ok: int
     errors: dict[str, int]
@@ -156,6 +157,8 @@ class Result:
     server_cpu_cores: float | None = None
     server_cpu_us_per_request: float | None = None
     sent_total: int = 0  # every request sent, warm-up included; plus one preflight request per worker
+    p50_from_send_ms: float = float("nan")  # open loop: latency from the actual send (the server's share; no client lateness)
+    p99_from_send_ms: float = float("nan")
 
     @property
     def rejected(self) -> int:
@@ -167,6 +170,7 @@ class Result:
 
 def summarize(target: Target, job: Job, parts: list[WorkerResult], rate: float, concurrency: int) -> Result:
     lat = np.concatenate([p.latencies_ms for p in parts]) if parts else np.zeros(0)
+    lat_sent = np.concatenate([p.sent_latencies_ms for p in parts]) if parts else np.zeros(0)
     errors: dict[str, int] = {}
     samples: dict[str, str] = {}
     for p in parts:
@@ -189,6 +193,8 @@ def summarize(target: Target, job: Job, parts: list[WorkerResult], rate: float, 
         send_lag_ms_p99=max((p.send_lag_ms_p99 for p in parts), default=0.0),
         workers=[{"affinity": p.affinity, "last_cpu": p.last_cpu, "cpu_cores": round(p.cpu_s / max(p.wall_s, 1e-9), 3)} for p in parts],
         sent_total=sum(p.sent_total for p in parts),
+        p50_from_send_ms=float(np.percentile(lat_sent, 50)) if len(lat_sent) else float("nan"),
+        p99_from_send_ms=float(np.percentile(lat_sent, 99)) if len(lat_sent) else float("nan"),
     )
 
 
@@ -392,6 +398,7 @@ class _Recorder:
     def __init__(self, window_start: float, window_end: float) -> None:
         self.t0, self.t1 = window_start, window_end
         self.lat: list[float] = []
+        self.lat_sent: list[float] = []  # from the actual send (open loop: without the client's own lateness)
         self.sent = self.ok = 0
         self.errors: dict[str, int] = {}
         self.samples: dict[str, str] = {}
@@ -401,6 +408,7 @@ class _Recorder:
 
 
 async def _one(sender, rec: _Recorder, i: int, t_sched: float, counted: bool) -> None:
+    t_sent = time.monotonic()
     try:
         await sender.send(i)
     except asyncio.CancelledError:
@@ -413,7 +421,9 @@ async def _one(sender, rec: _Recorder, i: int, t_sched: float, counted: bool) ->
         return
     if counted:
         rec.ok += 1
-        rec.lat.append(time.monotonic() - t_sched)
+        t = time.monotonic()
+        rec.lat.append(t - t_sched)
+        rec.lat_sent.append(t - t_sent)
 
 
 async def _run_job(job: Job) -> WorkerResult:
@@ -423,7 +433,7 @@ async def _run_job(job: Job) -> WorkerResult:
         reason = await sender.preflight()
         affinity = sorted(os.sched_getaffinity(0))
         if reason:
-            return WorkerResult(np.zeros(0), 0, 0, {}, {}, 0, 0, 0.0, 0.0, 0.0, affinity, -1, reason)
+            return WorkerResult(np.zeros(0), np.zeros(0), 0, 0, {}, {}, 0, 0, 0.0, 0.0, 0.0, affinity, -1, reason)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         if job.start_at > now:
@@ -492,7 +502,7 @@ async def _run_job(job: Job) -> WorkerResult:
         lat_ms = np.asarray(rec.lat, dtype=np.float64) * 1e3
         lag = float(np.percentile(lags, 99) * 1e3) if lags else 0.0
         last_cpu = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[36])
-        return WorkerResult(lat_ms, rec.sent, rec.ok, rec.errors, rec.samples, dropped, scheduled if job.mode == "open" else rec.sent,
+        return WorkerResult(lat_ms, np.asarray(rec.lat_sent, dtype=np.float64) * 1e3, rec.sent, rec.ok, rec.errors, rec.samples, dropped, scheduled if job.mode == "open" else rec.sent,
                             cpu_s, wall_s, lag, affinity, last_cpu, "", sent_total)
     finally:
         await sender.close()
@@ -588,7 +598,7 @@ class LoadGenerator:
 
     def _run(self, target: Target, jobs: list[Job], server_pids, rate: float, concurrency: int) -> Result:
         # Workers connect and send one preflight request first; all start together at start_at.
-        start_at = time.monotonic() + 1.0
+        start_at = time.monotonic() + 0.5
         jobs = [Job(**{**j.__dict__, "start_at": start_at}) for j in jobs]
         for c, j in zip(self._conns, jobs):
             c.send(j)

@@ -42,7 +42,7 @@ DESCRIPTIONS = {
 }
 RESULT_FIELDS = ("sent", "ok", "errors", "error_samples", "dropped", "scheduled", "throughput", "achieved_rate", "p50_ms", "p90_ms",
                  "p99_ms", "p999_ms", "mean_ms", "max_ms", "client_cpu_cores", "client_cpu_us_per_request", "send_lag_ms_p99",
-                 "workers", "server_cpu_cores", "server_cpu_us_per_request")
+                 "workers", "server_cpu_cores", "server_cpu_us_per_request", "sent_total", "p50_from_send_ms", "p99_from_send_ms")
 
 
 def log(msg: str) -> None:
@@ -103,12 +103,16 @@ def _record(res: loadgen.Result, **extra) -> dict:
 
 
 def measure_point(gen: loadgen.LoadGenerator, peer: servers.Peer, target: loadgen.Target, mode: str, value: float,
-                  duration_s: float, warmup_s: float) -> loadgen.Result:
+                  duration_s: float, warmup_s: float) -> loadgen.Result | str:
+    """One measurement, or why it could not be made (the suite records it and goes on)."""
     before = peer.stats()
-    if mode == "closed":
-        res = gen.closed(target, int(value), duration_s, warmup_s, server_pids=peer.pids)
-    else:
-        res = gen.open(target, value, duration_s, warmup_s, server_pids=peer.pids, seed=int(value))
+    try:
+        if mode == "closed":
+            res = gen.closed(target, int(value), duration_s, warmup_s, server_pids=peer.pids)
+        else:
+            res = gen.open(target, value, duration_s, warmup_s, server_pids=peer.pids, seed=int(value))
+    except loadgen.LoadGenError as exc:
+        return str(exc)
     after = peer.stats()
     res.__dict__["server_stats"] = None
     if before and after:
@@ -128,8 +132,12 @@ def client_check(gen_factory, peers: dict, rows: np.ndarray, duration_s: float, 
             continue
         target = make_target(peers[name], rows)
         for client in clients:
-            with gen_factory(**{knob: client}) as gen:
-                res = gen.closed(target, 16, duration_s, warmup_s, server_pids=peers[name].pids)
+            try:
+                with gen_factory(**{knob: client}) as gen:
+                    res = gen.closed(target, 16, duration_s, warmup_s, server_pids=peers[name].pids)
+            except loadgen.LoadGenError as exc:
+                log(f"client check {name} {client}: {exc}")
+                continue
             out.append({"target": name, "protocol": peers[name].protocol, "client": client, "concurrency": 16,
                         "throughput": res.throughput, "p50_ms": res.p50_ms, "client_cpu_us_per_request": res.client_cpu_us_per_request,
                         "client_cpu_cores": res.client_cpu_cores, "errors": res.errors})
@@ -159,7 +167,8 @@ def summarize_runs(runs: list[dict]) -> dict:
                 errors[k] = errors.get(k, 0) + v
         batches = [r["server_stats"]["avg_batch"] for r in rs if r.get("server_stats") and r["server_stats"].get("avg_batch")]
         entry = {k: med(k) for k in ("throughput", "achieved_rate", "rate", "p50_ms", "p90_ms", "p99_ms", "p999_ms", "client_cpu_cores",
-                                     "client_cpu_us_per_request", "server_cpu_cores", "server_cpu_us_per_request", "send_lag_ms_p99")}
+                                     "client_cpu_us_per_request", "server_cpu_cores", "server_cpu_us_per_request", "send_lag_ms_p99",
+                                     "p50_from_send_ms", "p99_from_send_ms")}
         entry.update({"rounds": len(rs), "sent": sum(r["sent"] for r in rs), "ok": sum(r["ok"] for r in rs), "errors": errors,
                       "dropped": sum(r["dropped"] for r in rs), "throughput_range": rng("throughput"), "p99_range": rng("p99_ms"),
                       "p50_range": rng("p50_ms"), "avg_batch": statistics.median(batches) if batches else None})
@@ -183,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-cpus", default=None, help="pin the load generator to these cores, e.g. 1 or 0,1")
     ap.add_argument("--no-client-check", action="store_true", help="skip the raw-vs-stock client cost comparison")
     ap.add_argument("--out", type=Path, default=RESULTS / "peers.json")
+    ap.add_argument("--recompile", action="store_true", help="compile the fraud model again even if its spec is unchanged (after a compiler change)")
     ap.add_argument("--quiet-file", type=Path, default=None,
                     help="a shared 'someone is measuring' marker: wait while another process holds it, hold it while this suite measures")
     ap.add_argument("--quiet-wait", type=float, default=1800, help="seconds to wait for the marker before measuring anyway (recorded)")
@@ -212,14 +222,18 @@ def hold_quiet(path: Path, max_wait_s: float) -> dict:
     """Wait until no one else holds `path`, then hold it (one line naming this suite)."""
     t0 = time.monotonic()
     other = None
-    while path.exists() and time.monotonic() - t0 < max_wait_s:
-        other = path.read_text().strip()
-        if other.startswith(f"benchmarks/suite.py pid {os.getpid()}"):
+    mine = f"benchmarks/suite.py pid {os.getpid()} (issue 14 peers comparison), started {time.strftime('%H:%M:%S')} UTC\n"
+    while True:
+        while path.exists() and time.monotonic() - t0 < max_wait_s:
+            other = path.read_text().strip()
+            log(f"waiting: {path} says {other!r}")
+            time.sleep(15)
+        busy = path.exists()
+        path.write_text(mine)
+        time.sleep(3)  # another process may have checked at the same moment: whoever wrote last holds it
+        if busy or path.exists() and path.read_text() == mine:
             break
-        log(f"waiting: {path} says {other!r}")
-        time.sleep(15)
-    busy = path.exists()
-    path.write_text(f"benchmarks/suite.py pid {os.getpid()} (issue 14 peers comparison), started {time.strftime('%H:%M:%S')} UTC\n")
+        log("another process took the marker at the same moment; waiting again")
     return {"waited_s": round(time.monotonic() - t0, 1), "other_holder": other, "measured_while_held_by_other": busy}
 
 
@@ -242,11 +256,12 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
     from scorestack import paths
 
     log("preparing the fraud model (train and compile once, cached)")
-    model = prepare(paths.workspace() / "bench_peers")
+    model = prepare(paths.workspace() / "bench_peers", recompile=args.recompile)
     X = np.load(model.xgb_json.parent / "fraud_holdout.npz")["X"][:64].astype(np.float32)
     data["model"] = {"name": "fraud_xgb", "source": "XGBoost 300 trees, depth 6, 30 features (scorestack demo)",
                      "selected": model.report.get("selected", {}).get("format"), "artifacts": model.report.get("selected", {}).get("artifacts"),
-                     "latency_budget_ms": model.report.get("latency_budget_ms"), "triton": {k: v for k, v in model.report.get("triton", {}).items() if k != "rules"},
+                     "latency_budget_ms": model.report.get("latency_budget_ms"), "compiler_version": model.report.get("compiler_version"),
+                     "compiled_at": model.report.get("created_at"), "triton": {k: v for k, v in model.report.get("triton", {}).items() if k != "rules"},
                      "triton_rules": model.report.get("triton", {}).get("rules", [])}
     run_dir = servers.tmp_run_dir("scorestack-peers-")
     peers, failed = start_peers(model, run_dir, names)
@@ -256,6 +271,7 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
                        "http": "asyncio protocol, prebuilt HTTP/1.1 keep-alive requests, one connection per outstanding request (uvloop)",
                        "versions": servers._pkg_versions(("grpcio", "tritonclient", "protobuf", "uvloop", "aiohttp", "numpy"))}
     runs: list[dict] = []
+    failures: list[dict] = []
     order = [n for n in names if n in peers]
     targets = {n: make_target(peers[n], X) for n in order}
     total = rounds * len(order) * (len(concurrencies) + len(fractions))
@@ -275,10 +291,14 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
                     capacity = 0.0
                     for c in concurrencies:
                         res = measure_point(gen, peer, target, "closed", c, duration, warmup)
+                        done += 1
+                        if isinstance(res, str):
+                            failures.append({"round": r, "target": name, "mode": "closed", "concurrency": c, "reason": res})
+                            log(f"[{done}/{total}] round {r + 1} {name} closed c={c}: FAILED {res}")
+                            continue
                         capacity = max(capacity, res.throughput)
                         runs.append(_record(res, round=r, target=name, mode="closed", concurrency=c, fraction=None, rate=None,
                                             server_stats=res.__dict__.get("server_stats")))
-                        done += 1
                         log(f"[{done}/{total}] round {r + 1} {name:20s} closed c={c:<3d} {res.throughput:8,.0f} req/s  p50 {res.p50_ms:7.2f}  "
                             f"p99 {res.p99_ms:7.2f} ms  errors {res.errors or 0}  client {res.client_cpu_cores:.2f} cores")
                     for f in fractions:
@@ -286,9 +306,13 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
                             continue
                         rate = f * capacity
                         res = measure_point(gen, peer, target, "open", rate, duration, warmup)
+                        done += 1
+                        if isinstance(res, str):
+                            failures.append({"round": r, "target": name, "mode": "open", "fraction": f, "reason": res})
+                            log(f"[{done}/{total}] round {r + 1} {name} open {f:.0%}: FAILED {res}")
+                            continue
                         runs.append(_record(res, round=r, target=name, mode="open", concurrency=None, fraction=f, rate=rate,
                                             server_stats=res.__dict__.get("server_stats")))
-                        done += 1
                         log(f"[{done}/{total}] round {r + 1} {name:20s} open {f:.0%} ({rate:,.0f}/s) served {res.throughput:8,.0f} req/s  "
                             f"p50 {res.p50_ms:7.2f}  p99 {res.p99_ms:7.2f} ms  errors {res.errors or 0}")
     finally:
@@ -300,6 +324,7 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
     data["load_after"] = loadavg()
     data["seconds"] = round(time.time() - started_at, 1)
     data["runs"] = runs
+    data["failed_points"] = failures
     data["summary"] = summarize_runs(runs)
     data["must_show"] = report.evaluate_peers(data)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,25 +20,16 @@ class FraudModel:
     report: dict            # the compile report (format, threads, derived batching)
 
 
-def _train_demo_models():
-    # The demo code is moving into the `scorestack.demo` package; take it where it is.
-    try:
-        from scorestack.demo import train_demo_models  # type: ignore[attr-defined]
-        return train_demo_models
-    except (ImportError, AttributeError):
-        from scorestack.compile import train_demo_models
-        return train_demo_models
-
-
-def prepare(workspace: Path) -> FraudModel:
-    """Train (once) and compile (once, cached by content) the demo fraud XGBoost into `workspace`."""
+def prepare(workspace: Path, recompile: bool = False) -> FraudModel:
+    """Train (once) and compile (once, cached by content; `recompile` forces it) the demo fraud XGBoost into `workspace`."""
     from scorestack import schema
     from scorestack.compile import compile_model
+    from scorestack.demo import train_demo_models
 
     workspace.mkdir(parents=True, exist_ok=True)
-    specs = {p.stem: p for p in _train_demo_models()(workspace / "models")}
+    specs = {p.stem: p for p in train_demo_models(workspace / "models")}
     repository = workspace / "model_repository"
-    report = compile_model(specs["fraud_xgb"], repository)
+    report = compile_model(specs["fraud_xgb"], repository, force=recompile)
     model_dir = repository / "fraud_xgb"
     return FraudModel(
         xgb_json=workspace / "models" / "fraud_xgb.json",
