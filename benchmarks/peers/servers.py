@@ -101,7 +101,12 @@ def triton_variants(model: FraudModel, root: Path) -> dict[str, Path]:
             shutil.rmtree(repo)
         name = "fraud_xgb" if variant == "batching" else f"fraud_xgb_{variant}"
         dest = repo / name
-        shutil.copytree(model.model_dir, dest, symlinks=False)
+        # The latest version only: the model folder keeps the previous one too, which the current
+        # config (its dispatch table may name artifacts only the new version has) need not fit.
+        latest = max((p for p in model.model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+        dest.mkdir(parents=True)
+        shutil.copy(model.model_dir / "config.pbtxt", dest / "config.pbtxt")
+        shutil.copytree(latest, dest / latest.name, symlinks=False)
         cfg = load_config(dest / "config.pbtxt")
         cfg.name = name
         if variant == "nobatch":
