@@ -118,8 +118,12 @@ def measure_point(gen: loadgen.LoadGenerator, peer: servers.Peer, target: loadge
     if before and after:
         execs = after["executions"] - before["executions"]
         infers = after["inferences"] - before["inferences"]
+        d = {k: after[k] - before[k] for k in after}
+        # Triton's own clock: from the request's arrival in the server to its response (success), and its scheduler queue wait.
         res.__dict__["server_stats"] = {"avg_batch": round(infers / execs, 2) if execs else None,
-                                        "cache_hits": after["cache_hits"] - before["cache_hits"], "inferences": infers}
+                                        "cache_hits": d["cache_hits"], "inferences": infers, "failed": d["fail"],
+                                        "avg_request_ms": round(d["success_ns"] / d["success"] / 1e6, 3) if d["success"] else None,
+                                        "avg_queue_ms": round(d["queue_ns"] / d["queue"] / 1e6, 3) if d["queue"] else None}
     return res
 
 
@@ -145,6 +149,35 @@ def client_check(gen_factory, peers: dict, rows: np.ndarray, duration_s: float, 
     return out
 
 
+def overload_check(peer: servers.Peer, target: loadgen.Target, duration_s: float, warmup_s: float, fractions: list[float]) -> dict:
+    """scorestack's server on core 0, the load generator alone on core 1: capacity (closed loop, 64 callers), then
+    open loop at the same fractions of it. Apart, the load generator can offer more than the server carries, which on
+    shared cores it cannot (it needs ~0.15 ms of CPU per open-loop request)."""
+    cores = sorted(os.sched_getaffinity(0))
+    server_core, client_core = cores[0], cores[-1]
+    pinned = servers.pin_tree(peer.pids(), [server_core])
+    log(f"overload check: {len(pinned)} server threads pinned to core {server_core}, load generator on core {client_core}")
+    out: dict = {"server_cpus": [server_core], "client_cpus": [client_core], "server_threads_pinned": len(pinned), "points": []}
+    with loadgen.LoadGenerator(1, [client_core]) as gen:
+        cap = measure_point(gen, peer, target, "closed", 64, duration_s, warmup_s)
+        if isinstance(cap, str):
+            out["failed"] = cap
+            return out
+        out["points"].append(_record(cap, mode="closed", concurrency=64, fraction=None, rate=None, server_stats=cap.__dict__.get("server_stats")))
+        log(f"overload check closed c=64: {cap.throughput:,.0f} req/s p99 {cap.p99_ms:.2f} ms errors {cap.errors or 0}")
+        for f in fractions:
+            res = measure_point(gen, peer, target, "open", f * cap.throughput, duration_s, warmup_s)
+            if isinstance(res, str):
+                out.setdefault("failed_points", []).append({"fraction": f, "reason": res})
+                continue
+            out["points"].append(_record(res, mode="open", concurrency=None, fraction=f, rate=f * cap.throughput,
+                                         server_stats=res.__dict__.get("server_stats")))
+            log(f"overload check open {f:.0%} ({f * cap.throughput:,.0f}/s): served {res.throughput:,.0f} req/s p99 {res.p99_ms:.2f} ms "
+                f"(from send {res.p99_from_send_ms:.2f}) errors {res.errors or 0} send lag p99 {res.send_lag_ms_p99:.2f} ms")
+    servers.pin_tree(peer.pids(), cores)  # back to every core
+    return out
+
+
 def summarize_runs(runs: list[dict]) -> dict:
     """Median over rounds (and the min-max range) per target and point."""
     groups: dict[tuple, list[dict]] = {}
@@ -166,12 +199,16 @@ def summarize_runs(runs: list[dict]) -> dict:
             for k, v in r["errors"].items():
                 errors[k] = errors.get(k, 0) + v
         batches = [r["server_stats"]["avg_batch"] for r in rs if r.get("server_stats") and r["server_stats"].get("avg_batch")]
+        in_server = [r["server_stats"]["avg_request_ms"] for r in rs if r.get("server_stats") and r["server_stats"].get("avg_request_ms")]
+        in_queue = [r["server_stats"]["avg_queue_ms"] for r in rs if r.get("server_stats") and r["server_stats"].get("avg_queue_ms")]
         entry = {k: med(k) for k in ("throughput", "achieved_rate", "rate", "p50_ms", "p90_ms", "p99_ms", "p999_ms", "client_cpu_cores",
                                      "client_cpu_us_per_request", "server_cpu_cores", "server_cpu_us_per_request", "send_lag_ms_p99",
                                      "p50_from_send_ms", "p99_from_send_ms")}
         entry.update({"rounds": len(rs), "sent": sum(r["sent"] for r in rs), "ok": sum(r["ok"] for r in rs), "errors": errors,
                       "dropped": sum(r["dropped"] for r in rs), "throughput_range": rng("throughput"), "p99_range": rng("p99_ms"),
-                      "p50_range": rng("p50_ms"), "avg_batch": statistics.median(batches) if batches else None})
+                      "p50_range": rng("p50_ms"), "avg_batch": statistics.median(batches) if batches else None,
+                      "triton_avg_request_ms": statistics.median(in_server) if in_server else None,
+                      "triton_avg_queue_ms": statistics.median(in_queue) if in_queue else None})
         out.setdefault(target, {"closed": {}, "open": {}})[mode][str(point)] = entry
     for target, modes in out.items():
         caps = [v["throughput"] for v in modes["closed"].values() if v["throughput"]]
@@ -203,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="load generator processes (each is a Python process on these 2 cores)")
     ap.add_argument("--client-cpus", default=None, help="pin the load generator to these cores, e.g. 1 or 0,1")
     ap.add_argument("--no-client-check", action="store_true", help="skip the raw-vs-stock client cost comparison")
+    ap.add_argument("--no-overload-check", action="store_true",
+                    help="skip the pinned overload check (scorestack on one core, the load generator on the other, open loop above capacity)")
     ap.add_argument("--out", type=Path, default=RESULTS / "peers.json")
     ap.add_argument("--recompile", action="store_true", help="compile the fraud model again even if its spec is unchanged (after a compiler change)")
     ap.add_argument("--quiet-file", type=Path, default=None,
@@ -329,6 +368,8 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
                                             server_stats=res.__dict__.get("server_stats")))
                         log(f"[{done}/{total}] round {r + 1} {name:20s} open {f:.0%} ({rate:,.0f}/s) served {res.throughput:8,.0f} req/s  "
                             f"p50 {res.p50_ms:7.2f}  p99 {res.p99_ms:7.2f} ms  errors {res.errors or 0}")
+        if "scorestack" in peers and not args.no_overload_check and (os.cpu_count() or 1) >= 2:
+            data["overload_pinned"] = overload_check(peers["scorestack"], targets["scorestack"], duration, warmup, fractions)
     finally:
         for name, peer in peers.items():
             try:

@@ -143,8 +143,14 @@ def start_triton(name: str, model_dir: Path, description: str) -> Peer:
         except OSError:
             return None
         s = body["model_stats"][0]
+        st = s["inference_stats"]
+
+        def get(k: str, f: str) -> int:
+            return int(st.get(k, {}).get(f, 0))
+
         return {"inferences": int(s.get("inference_count", 0)), "executions": int(s.get("execution_count", 0)),
-                "cache_hits": int(s["inference_stats"].get("cache_hit", {}).get("count", 0))}
+                "cache_hits": get("cache_hit", "count"), "success": get("success", "count"), "success_ns": get("success", "ns"),
+                "fail": get("fail", "count"), "queue": get("queue", "count"), "queue_ns": get("queue", "ns")}
 
     return Peer(
         name=name, protocol="grpc", address=server.grpc_url, model=model_dir.name, input_name="features", description=description,
@@ -258,3 +264,26 @@ def start_fastapi(runtime: str, model: FraudModel, run_dir: Path, threads: int =
 
 def tmp_run_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def pin_tree(pids: list[int], cpus: list[int]) -> list[int]:
+    """Pin every thread of these processes and their descendants to `cpus`; return the thread ids pinned.
+
+    os.sched_setaffinity on a pid moves only that thread: each task under /proc/<pid>/task is set.
+    """
+    import psutil
+
+    pinned = []
+    for pid in pids:
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            for task in Path(f"/proc/{p.pid}/task").glob("*"):
+                try:
+                    os.sched_setaffinity(int(task.name), cpus)
+                    pinned.append(int(task.name))
+                except (ProcessLookupError, PermissionError, OSError):
+                    pass
+    return pinned
