@@ -20,6 +20,8 @@ from scorestack.serve.runtime.scorestack_runtime import PARAM_DECISION_THRESHOLD
 
 
 DEFAULT_THRESHOLD = 0.5
+# Status code -> name, once: an enum lookup per feature cost ~2 µs each on every request.
+_STATUS_NAMES = {int(s): s.name.lower() for s in FeatureStatus}
 
 # The demo repository's velocity counters, moved by each scored transaction (features/repo/definitions.py).
 VELOCITY_UPDATE = CounterUpdate(
@@ -119,7 +121,7 @@ class FraudService(ScoringPath):
             degraded=features.degraded,
             degraded_reason=features.reason,
             features=vector[0],
-            feature_status={n: FeatureStatus(int(s)).name.lower() for n, s in zip(features.feature_names, features.status[0])},
+            feature_status=dict(zip(features.feature_names, [_STATUS_NAMES[s] for s in features.status[0].tolist()])),
             timings_ms=self._finish(timer),
         )
 

@@ -24,15 +24,17 @@ from .spec import ModelSpec
 
 # gRPC round trip of the local Triton at batch 1 without model work (PLATFORM_NOTES: 0.44-0.57 ms).
 SERVER_OVERHEAD_US = 500
-# 200 µs got most of dynamic batching's throughput gain (7,581 req/s vs 7,901 at 1000 µs and 6,923 at 0)
-# for +0.28 ms at low load (PLATFORM_NOTES, serving table).
-MAX_QUEUE_DELAY_US = 200
+# Triton's dynamic batcher forms a batch from the requests already queued whenever an instance is
+# free, so with no queue delay batches still form under load while a lone request runs at once.
+# A delay is paid in full by every lone request: 200 µs cost +0.3-0.7 ms p50 at concurrency 1 and
+# bought no measurable throughput at 64 concurrent on 2 cores (benchmarks/results/request_path.md).
+MAX_QUEUE_DELAY_US = 0
 MAX_INSTANCES = 4
 MAX_QUEUE_SIZE = 65536
 
 
 # A profile whose executions joined fewer requests than this on average shows the batcher rarely had
-# two requests to join: the queue delay is then paid by nearly every request and bought nothing.
+# two requests to join (reported with the settings; the delay is 0 either way).
 MIN_JOINED_REQUESTS = 1.1
 
 
@@ -44,18 +46,20 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
     t_max = latency_us[max_batch]
     instances = 1 if gpu else max(1, min(MAX_INSTANCES, cpus // threads))
     slack = budget - SERVER_OVERHEAD_US - t_max
-    delay = int(max(0.0, min(MAX_QUEUE_DELAY_US, 0.1 * slack)) // 50 * 50)
+    delay = MAX_QUEUE_DELAY_US
     profile_rule = None
     if profile is not None:
         joined = profile.requests_per_execution
         if joined < MIN_JOINED_REQUESTS:
             profile_rule = (
                 f"batch profile: {joined:.2f} requests per execution (< {MIN_JOINED_REQUESTS}): the batcher almost never had requests "
-                f"to join, so the queue delay is 0 instead of {delay} µs (a lone request no longer waits for company)."
+                f"to join; the queue delay stays {delay} µs (a lone request never waits for company)."
             )
-            delay = 0
         else:
-            profile_rule = f"batch profile: {joined:.2f} requests per execution: the batcher joins requests, so the queue delay stays {delay} µs."
+            profile_rule = (
+                f"batch profile: {joined:.2f} requests per execution: the batcher joins what queued while the instances were busy; "
+                f"the queue delay stays {delay} µs."
+            )
     timeout = int(max(delay + 100, slack))
     drains = max(1, math.floor(timeout / max(t_max, 1.0)))
     queue = int(min(MAX_QUEUE_SIZE, max(max_batch, instances * drains * max_batch)))
@@ -67,9 +71,9 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
         "(instances × best rows/s) is within 90% of the best (compile/measure.choose_threads).",
         f"slack = budget {budget:.0f} µs − server overhead {SERVER_OVERHEAD_US} µs (gRPC floor, PLATFORM_NOTES) − "
         f"model time at batch {max_batch} {t_max:.0f} µs = {slack:.0f} µs.",
-        f"max_queue_delay_microseconds = 10% of the slack, capped at {MAX_QUEUE_DELAY_US} µs, rounded down to 50 µs = {delay} "
-        "(the delay is paid in full at low load; PLATFORM_NOTES measured 7,581 req/s at 200 µs against 7,901 at 1,000 µs "
-        "and 6,923 at 0 µs, concurrency 64).",
+        f"max_queue_delay_microseconds = {delay}: Triton forms a batch from the requests already queued whenever an instance "
+        "is free, so batches form under load while a lone request runs at once; a delay is paid in full by every lone request "
+        "(200 µs: +0.3-0.7 ms p50 at concurrency 1, no measurable gain at 64 concurrent; benchmarks/results/request_path.md).",
         f"default_timeout_microseconds = max(queue delay + 100, slack) = {timeout}: a request queued longer cannot meet "
         "its budget, so it is rejected (timeout_action REJECT) instead of served late; clients may override.",
         f"max_queue_size = instances × ⌊timeout / model time at max batch⌋ × max batch = {instances} × {drains} × {max_batch}, "

@@ -1,0 +1,62 @@
+"""The dynamic-batching settings the compiler derives (compile/emit.derive_settings), checked on values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from scorestack.compile import emit
+from scorestack.compile.profile import BatchProfile
+from scorestack.compile.spec import ModelSpec
+
+
+def _spec(tmp_path: Path, budget_ms: float = 10.0, sizes=(1, 8, 64)) -> ModelSpec:
+    return ModelSpec.model_validate({
+        "name": "m",
+        "source": {"path": str(tmp_path / "m.json"), "format": "xgboost-json"},
+        "task": "binary",
+        "inputs": {"features": [f"f{i}" for i in range(4)]},
+        "serving": {"batch_sizes": list(sizes), "latency_budget_ms": budget_ms},
+        "holdout": str(tmp_path / "h.npz"),
+    })
+
+
+LATENCY = {1: 20.0, 8: 60.0, 64: 446.0}
+
+
+def test_no_queue_delay_for_a_lone_request(tmp_path):
+    """A lone request never waits for company: the delay is 0; the timeout is the budget's slack."""
+    s = emit.derive_settings(_spec(tmp_path), LATENCY, threads=1, cpus=2)
+    assert s.max_queue_delay_us == 0
+    assert s.instance_count == 2 and s.max_batch_size == 64
+    assert s.default_timeout_us == int(10_000 - emit.SERVER_OVERHEAD_US - 446.0)
+    assert s.max_queue_size == 2 * (s.default_timeout_us // 446) * 64
+    assert any(r.startswith("max_queue_delay_microseconds = 0:") for r in s.rules)
+
+
+@pytest.mark.parametrize("requests, joined", [(1000, "1.00"), (5000, "5.00")])
+def test_a_batch_profile_never_adds_a_delay(tmp_path, requests, joined):
+    profile = BatchProfile(model="m", executions={1: 1000}, requests=requests, rows=requests)
+    s = emit.derive_settings(_spec(tmp_path), LATENCY, threads=1, cpus=2, profile=profile)
+    assert s.max_queue_delay_us == 0
+    assert any(r.startswith(f"batch profile: {joined} requests per execution") for r in s.rules)
+
+
+def test_emitted_config_has_no_delay_and_rejects_past_the_timeout(tmp_path):
+    """The settings as config.pbtxt text: parsed by Triton's own schema."""
+    from scorestack.compile.registry import Artifact
+
+    spec = _spec(tmp_path)
+    s = emit.derive_settings(spec, LATENCY, threads=1, cpus=2)
+    artifact = Artifact(format="onnx", path=tmp_path / "model.onnx", artifact_name="model.onnx", runtime="onnxruntime", backend="python")
+    cfg = emit.write_config(tmp_path / "out", emit.build_config(spec, artifact, s, 1))
+    parsed = text_format.Parse((tmp_path / "out" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert parsed == cfg
+    db = parsed.dynamic_batching
+    assert db.max_queue_delay_microseconds == 0
+    assert db.default_queue_policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT
+    assert db.default_queue_policy.default_timeout_microseconds == s.default_timeout_us
+    assert parsed.instance_group[0].count == 2
