@@ -36,6 +36,10 @@ def _f(x, fmt: str = "{:.2f}") -> str:  # noqa: ANN001
     return "–" if x is None else fmt.format(x)
 
 
+def _rng(r: list | None) -> str:
+    return "–" if not r else f"{r[0]:.3f}–{r[1]:.3f}"
+
+
 def _point(summary: dict, target: str, mode: str, key: str) -> dict | None:
     return summary.get(target, {}).get(mode, {}).get(key)
 
@@ -92,7 +96,7 @@ def evaluate_peers(data: dict) -> list[dict]:
                          f"queue: a lone request waits the batching delay (max_queue_delay_us={delay})" if delay else
                          f"the dynamic batcher's hand-off (max_queue_delay_us=0): Triton's average queue wait at c1 {_f(c1.get('triton_avg_queue_ms'), '{:.3f}')} "
                          f"vs {_f(nob.get('triton_avg_queue_ms'), '{:.3f}')} ms without batching, in-server {_f(c1.get('triton_avg_request_ms'), '{:.3f}')} vs "
-                         f"{_f(nob.get('triton_avg_request_ms'), '{:.3f}')} ms (p50 ranges {c1.get('p50_range')} vs {nob.get('p50_range')})")})
+                         f"{_f(nob.get('triton_avg_request_ms'), '{:.3f}')} ms (p50 over rounds {_rng(c1.get('p50_range'))} vs {_rng(nob.get('p50_range'))} ms)")})
     if c1 and onx:
         met = c1["p50_ms"] <= 1.2 * onx["p50_ms"]
         rows.append({"target": "c1 p50 within 1.2x FastAPI + onnxruntime", "met": met,

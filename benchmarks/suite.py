@@ -40,6 +40,7 @@ DESCRIPTIONS = {
     "scorestack_nobatch": "the same model folder with the dynamic_batching block removed, KServe v2 gRPC",
     "triton_cache_floor": "Triton response-cache hit (same 64 requests repeated, response_cache enabled): the server-path floor, KServe v2 gRPC",
 }
+MLSERVER_MIN_BATCH_TIME_US = 200  # MLServer skips adaptive batching when max_batch_time is 0 (mlserver/batching/hooks.py)
 RESULT_FIELDS = ("sent", "ok", "errors", "error_samples", "dropped", "scheduled", "throughput", "achieved_rate", "p50_ms", "p90_ms",
                  "p99_ms", "p999_ms", "mean_ms", "max_ms", "client_cpu_cores", "client_cpu_us_per_request", "send_lag_ms_p99",
                  "workers", "server_cpu_cores", "server_cpu_us_per_request", "sent_total", "p50_from_send_ms", "p99_from_send_ms")
@@ -76,9 +77,10 @@ def start_peers(model, run_dir: Path, names: tuple[str, ...]) -> tuple[dict, dic
             elif name == "triton_cache_floor":
                 peer = servers.start_triton(name, variants["cache"], DESCRIPTIONS[name])
             elif name == "mlserver":
-                # Adaptive batching set like scorestack's derived dynamic batching (same max batch, same delay).
+                # Adaptive batching set like scorestack's derived dynamic batching (same max batch, same delay), except
+                # that MLServer turns batching off at max_batch_time 0: then 200 µs (scorestack's earlier derived delay).
                 peer = servers.start_mlserver(model, run_dir / "mlserver", int(triton.get("max_batch_size", 64)),
-                                              int(triton.get("max_queue_delay_us", 200)), log=log)
+                                              int(triton.get("max_queue_delay_us") or MLSERVER_MIN_BATCH_TIME_US), log=log)
             elif name in ("fastapi_onnxruntime", "fastapi_xgboost"):
                 peer = servers.start_fastapi(name.split("_", 1)[1], model, run_dir)
             else:
@@ -369,7 +371,7 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
                         log(f"[{done}/{total}] round {r + 1} {name:20s} open {f:.0%} ({rate:,.0f}/s) served {res.throughput:8,.0f} req/s  "
                             f"p50 {res.p50_ms:7.2f}  p99 {res.p99_ms:7.2f} ms  errors {res.errors or 0}")
         if "scorestack" in peers and not args.no_overload_check and (os.cpu_count() or 1) >= 2:
-            data["overload_pinned"] = overload_check(peers["scorestack"], targets["scorestack"], duration, warmup, fractions)
+            data["overload_pinned"] = overload_check(peers["scorestack"], targets["scorestack"], duration, warmup, sorted({*fractions, 1.5, 2.0}))
     finally:
         for name, peer in peers.items():
             try:
