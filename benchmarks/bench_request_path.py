@@ -1,11 +1,20 @@
-"""Request path: fraud and ranking latency per phase, and ranking chunk sizes side by side.
+"""Request path: batching settings side by side, fraud end to end, and ranking chunk plans.
 
 Runs the demo models (trained and compiled into the workspace when absent) on the local Triton,
 with features from Redis (REDIS_URL, default 127.0.0.1:6379) through the async fetch layer.
-Chunk sizes are measured interleaved in one run (rounds alternate the order) so machine noise
-hits every variant alike. Writes benchmarks/results/request_path.{json,md}.
 
-    .venv/bin/python benchmarks/bench_request_path.py [--rounds 5] [--requests 60]
+1. Batching: the compiled fraud model under variants of its dynamic-batching settings (queue delay,
+   instances), each on its own server start, in interleaved rounds; a closed loop of model calls at
+   concurrency 1, 16 and 64 through scorestack's TritonClient. Per start: throughput, p50/p99,
+   rejections, executed batch, server CPU per request (tritonserver and its stubs, from /proc), the
+   client's own CPU per request, and where the server's processes may run (Cpus_allowed_list).
+2. Fraud end to end (features + inference) on the compiled settings at concurrency 1, 16, 64.
+3. Ranking at concurrency 1 with 100-2000 candidates (the most `scorestack.limits.MAX_CANDIDATES`
+   allows), chunks of max_batch_size, by how many of a request's chunks are in Triton at once.
+
+Writes benchmarks/results/request_path.{json,md}, with the load average before and after.
+
+    .venv/bin/python benchmarks/bench_request_path.py [--rounds 2] [--quick]
 """
 
 from __future__ import annotations
@@ -15,113 +24,342 @@ import asyncio
 import json
 import os
 import platform
+import re
+import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from scorestack import paths
-from scorestack.demo import data as demo_data
+from scorestack import limits, paths
 from scorestack.client.diagnose import measure
 from scorestack.client.fraud import FraudService
 from scorestack.client.ranking import RankingService
+from scorestack.client.server_stats import read_statistics
 from scorestack.client.triton import TritonClient
 from scorestack.compile import compile_model
+from scorestack.demo import data as demo_data
+from scorestack.demo.features import init_repo
 from scorestack.demo.train import train_demo_models
-from scorestack.errors import OverloadedError
+from scorestack.errors import InferenceError, OverloadedError, ServerError
 from scorestack.features import store
-from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
 from scorestack.serve import LocalTriton
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TICK = os.sysconf("SC_CLK_TCK")
+CONCURRENCY = {1: 400, 16: 3000, 64: 6000}  # concurrency -> requests per measurement
 
 
-async def run(grpc_url: str, repo: Path, rounds: int, n: int) -> dict:
+# --- the server's processes -------------------------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def server_processes(pid: int) -> list[int]:
+    """tritonserver and its Python-backend stubs (its children)."""
+    return [pid, *_children(pid)]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / TICK
+
+
+def placement(pids: list[int]) -> list[dict]:
+    """Per process: name, threads, the CPUs it may run on, the CPU it last ran on."""
+    out = []
+    for p in pids:
+        try:
+            status = dict(line.split(":\t", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines() if ":\t" in line)
+            last_cpu = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[36])
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        out.append({
+            "pid": p, "name": status.get("Name", "").strip(), "threads": int(status.get("Threads", "0")),
+            "cpus_allowed": status.get("Cpus_allowed_list", "").strip(), "last_cpu": last_cpu,
+            "args": " ".join(c.decode(errors="replace") for c in cmd[1:4])[:120],
+        })
+    return out
+
+
+# --- a closed loop of model calls ---------------------------------------------------------------------
+async def closed_loop(triton: TritonClient, model: str, x: np.ndarray, n: int, concurrency: int, pids: list[int]) -> dict:
+    lat: list[float] = []
+    rejected = failed = 0
+    it = iter(range(n))
+
+    async def caller() -> None:
+        nonlocal rejected, failed
+        for _ in it:
+            t = time.perf_counter()
+            try:
+                await triton.infer(model, {"features": x})
+            except OverloadedError:
+                rejected += 1
+                continue
+            except InferenceError:
+                failed += 1
+                continue
+            lat.append((time.perf_counter() - t) * 1e3)
+
+    warm_rejected = 0
+    for _ in range(50):
+        try:
+            await triton.infer(model, {"features": x})
+        except OverloadedError:
+            warm_rejected += 1
+    before = (await read_statistics(triton, [model]))[model]
+    cpu0, wall0, own0 = cpu_seconds(pids), time.perf_counter(), time.process_time()
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    wall, own, cpu = time.perf_counter() - wall0, time.process_time() - own0, cpu_seconds(pids) - cpu0
+    await asyncio.sleep(0.05)
+    stats = (await read_statistics(triton, [model]))[model] - before
+    done = len(lat)
+    return {
+        "requests": n, "served": done, "rejected": rejected, "failed": failed, "warmup_rejected": warm_rejected,
+        "req_per_s": done / wall, "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
+        "avg_batch": stats.inference_count / max(1, stats.execution_count),
+        "queue_us": stats.queue.ns / max(1, stats.queue.count) / 1e3,
+        "server_cpu_us_per_req": cpu / max(1, done) * 1e6, "client_cpu_us_per_req": own / max(1, done) * 1e6,
+    }
+
+
+def start_server(repository: Path, models: list[str], attempts: int = 3) -> LocalTriton:
+    """A started LocalTriton; a start that fails (two of its free ports drawn equal) is retried."""
+    for attempt in range(attempts):
+        try:
+            return LocalTriton(repository, models=models).start()
+        except ServerError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def variant_repository(src: Path, root: Path, delay_us: int, instances: int) -> Path:
+    """A repository holding `src` (a compiled model folder) with its delay and instance count replaced."""
+    dst = root / src.name
+    latest = max((d for d in src.iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
+    shutil.copytree(latest, dst / latest.name, symlinks=True)  # the latest version only: the config is written for it
+    shutil.copy2(src / "config.pbtxt", dst / "config.pbtxt")
+    cfg = (dst / "config.pbtxt").read_text()
+    cfg = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {delay_us}", cfg)
+    if "max_queue_delay_microseconds" not in cfg:
+        cfg = cfg.replace("dynamic_batching {", f"dynamic_batching {{\n  max_queue_delay_microseconds: {delay_us}", 1)
+    cfg = re.sub(r"(instance_group \{\s*count: )\d+", rf"\g<1>{instances}", cfg)
+    (dst / "config.pbtxt").write_text(cfg)
+    return root
+
+
+def served_settings(folder: Path) -> dict:
+    cfg = (folder / "config.pbtxt").read_text()
+    grab = lambda key: int(m.group(1)) if (m := re.search(rf"{key}: (\d+)", cfg)) else 0  # noqa: E731
+    return {"max_queue_delay_us": grab("max_queue_delay_microseconds"), "instances": grab("count"),
+            "default_timeout_us": grab("default_timeout_microseconds"), "max_queue_size": grab("max_queue_size")}
+
+
+async def batching_round(grpc_url: str, pid: int, conc: dict[int, int]) -> dict:
+    x = np.random.default_rng(0).random((1, 30), dtype=np.float32)
+    async with TritonClient(grpc_url, deadline_s=5.0) as triton:
+        await asyncio.sleep(0.5)  # let the stubs settle after loading
+        pids = server_processes(pid)
+        out = {f"c{c}": await closed_loop(triton, "fraud_xgb", x, n, c, pids) for c, n in conc.items()}
+        out["placement"] = placement(pids)
+    return out
+
+
+def run_batching(repository: Path, rounds: int, conc: dict[int, int]) -> dict:
+    compiled = served_settings(repository / "fraud_xgb")
+    variants = {
+        "compiled": (compiled["max_queue_delay_us"], compiled["instances"]),
+        "delay 200 us, 2 instances (before)": (200, 2),
+        "delay 0, 2 instances": (0, 2),
+        "delay 0, 1 instance": (0, 1),
+    }
+    results: dict = {k: [] for k in variants}
+    with tempfile.TemporaryDirectory(prefix="bench_rp_") as tmp:
+        repos = {k: variant_repository(repository / "fraud_xgb", Path(tmp) / f"v{i}", d, n) for i, (k, (d, n)) in enumerate(variants.items())}
+        for r in range(rounds):
+            order = list(variants) if r % 2 == 0 else list(reversed(variants))
+            for k in order:
+                server = start_server(repos[k], ["fraud_xgb"])
+                try:
+                    res = asyncio.run(batching_round(server.grpc_url, server.process.pid, conc))
+                finally:
+                    server.stop()
+                res["round"] = r
+                results[k].append(res)
+                c64 = res.get("c64", {})
+                print(f"  batching {k} round {r}: " + ", ".join(f"{c}: p50 {v['p50_ms']:.2f} p99 {v['p99_ms']:.2f} {v['req_per_s']:.0f}/s rej {v['rejected']}"
+                                                              for c, v in res.items() if c.startswith("c")) + f" (c64 server CPU {c64.get('server_cpu_us_per_req', 0):.0f} us/req)")
+    return {"variants": {k: {"delay_us": d, "instances": n} for k, (d, n) in variants.items()}, "compiled": compiled, "runs": results}
+
+
+# --- fraud end to end and ranking -------------------------------------------------------------------
+async def run_paths(grpc_url: str, repo: Path, rounds: int, n_rank: int, quick: bool) -> dict:
     rng = np.random.default_rng(0)
     fields = demo_data.make_fraud_requests(2000, seed=3)
+    rows = [{k: float(v) for k, v in fields.iloc[i].items()} for i in range(2000)]
     ctx = {k: float(v) for k, v in demo_data.make_ranking_context(1, seed=4).iloc[0].items()}
     out: dict = {"fraud": {}, "ranking": {}}
     async with TritonClient(grpc_url, deadline_s=5.0) as triton, FeatureFetcher.from_repo(repo, timeout_s=0.05) as fetcher:
+        out["feature_backend"] = {s: [fetcher.backend_of(s), fetcher.backend_reason(s)] for s in ("fraud", "ranking")}
         fraud = FraudService(triton, fetcher)
 
         async def send_fraud(i: int):
-            return await fraud.score({"user_id": int(rng.integers(1, 5001)), **{k: float(v) for k, v in fields.iloc[i % 2000].items()}})
+            return await fraud.score({"user_id": int(rng.integers(1, 5001)), **rows[i % 2000]})
 
-        for conc in (1, 16):
-            b = await measure(triton, "fraud", "fraud_xgb", send_fraud, 300, concurrency=conc)
+        for conc, n in ((1, 400), (16, 1000), (64, 2000)):
+            b = await measure(triton, "fraud", "fraud_xgb", send_fraud, n // (4 if quick else 1), concurrency=conc)
             out["fraud"][f"concurrency_{conc}"] = {
                 "p50_ms": b.p50_total_ms, "p99_ms": b.p99_total_ms, "phases_mean_ms": b.phases_ms,
                 "phase_p50_ms": b.client_phase_p50, "avg_batch": b.avg_batch, "dominant": b.dominant,
                 "served": b.requests, "errors": b.errors,
             }
-        for n_cand in (100, 500, 1000):
-            # Chunks never exceed the model's max_batch_size (the compiler set it from the spec).
-            mbs = (await triton.model_info("ranking_xgb")).max_batch_size
-            sizes = sorted({min(c, mbs) for c in (50, 100, mbs)})
-            variants = {f"chunk_{c}" + (" (max_batch_size)" if c == mbs else ""): c for c in sizes}
-            samples: dict[str, list[float]] = {k: [] for k in variants}
-            rejected: dict[str, int] = {k: 0 for k in variants}
-            services = {k: RankingService(triton, fetcher, chunk_size=v, max_candidates=2000) for k, v in variants.items()}
+            print(f"  fraud c{conc}: p50 {b.p50_total_ms:.2f} p99 {b.p99_total_ms:.2f} errors {b.errors}")
+        info = await triton.model_info("ranking_xgb")
+        mbs, inst = info.max_batch_size, info.instances
+        variants = {f"{inst} in flight (instances, default)": inst, f"{inst + 1} in flight": inst + 1, "all at once (before)": 0}
+        for n_cand in (100, 500, 1000, limits.MAX_CANDIDATES):
+            services = {k: RankingService(triton, fetcher, max_candidates=limits.MAX_CANDIDATES, max_in_flight=v) for k, v in variants.items()}
+            samples: dict[str, dict[str, list[float]]] = {k: {"infer": [], "total": []} for k in variants}
+            rejected = {k: 0 for k in variants}
             for r in range(rounds):
-                order = list(variants) if r % 2 == 0 else list(reversed(variants))
-                for k in order:
-                    for _ in range(n):
+                for k in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+                    for _ in range(n_rank):
                         items = rng.choice(np.arange(1, 2001), n_cand, replace=False).tolist()
                         try:
                             res = await services[k].rank(int(rng.integers(1, 5001)), items, ctx)
                         except OverloadedError:  # chunks queued past the model's queue timeout
                             rejected[k] += 1
                             continue
-                        samples[k].append(res.timings_ms["infer"])
+                        samples[k]["infer"].append(res.timings_ms["infer"])
+                        samples[k]["total"].append(res.timings_ms["total"])
             out["ranking"][f"candidates_{n_cand}"] = {
                 k: {
-                    "infer_p50_ms": float(np.percentile(v, 50)) if v else None,
-                    "infer_p99_ms": float(np.percentile(v, 99)) if v else None,
-                    "served": len(v),
-                    "rejected": rejected[k],
+                    "chunks": -(-n_cand // mbs), "served": len(v["total"]), "rejected": rejected[k],
+                    **{f"{ph}_{q}_ms": (float(np.percentile(v[ph], int(q[1:]))) if v[ph] else None) for ph in ("infer", "total") for q in ("p50", "p99")},
                 }
                 for k, v in samples.items()
             }
+            print(f"  ranking {n_cand}: " + "; ".join(f"{k}: total p50 {v['total_p50_ms']:.2f} p99 {v['total_p99_ms']:.2f} rej {v['rejected']}" for k, v in out["ranking"][f"candidates_{n_cand}"].items() if v["served"]))
     return out
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def render(result: dict) -> str:
+    fmt = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
+    m = result["machine"]
+    lines = ["# Request path (local Triton, Redis features, demo models)", "",
+             f"{m['cpus']} CPUs ({m['cpu_model']}), {m['platform']}, commit {m['commit']}, {m['date']}; load average before/after: "
+             f"{' '.join(f'{x:.2f}' for x in m['loadavg_before'])} / {' '.join(f'{x:.2f}' for x in m['loadavg_after'])}; client and server share the cores."
+             + (f" Note: {m['note']}" if m.get("note") else ""), ""]
+    if "batching" in result:
+        b = result["batching"]
+        lines += ["## Batching settings: fraud_xgb model calls, closed loop (one server start per row)", "",
+                  f"Compiled settings: {b['compiled']}. Each variant started {len(next(iter(b['runs'].values())))} times, in interleaved order.", "",
+                  "| variant | round | c1 p50 / p99 ms | c16 p50 / p99 ms · req/s | c64 p50 / p99 ms · req/s | c64 avg batch | rejected c1/c16/c64 | server CPU µs/req c64 | client CPU µs/req c1 / c64 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for k, runs in b["runs"].items():
+            for run in runs:
+                c1, c16, c64 = run["c1"], run["c16"], run["c64"]
+                lines.append(f"| {k} | {run['round']} | {c1['p50_ms']:.2f} / {c1['p99_ms']:.2f} | {c16['p50_ms']:.2f} / {c16['p99_ms']:.2f} · {c16['req_per_s']:.0f} | "
+                             f"{c64['p50_ms']:.2f} / {c64['p99_ms']:.2f} · {c64['req_per_s']:.0f} | {c64['avg_batch']:.1f} | {c1['rejected']}/{c16['rejected']}/{c64['rejected']} | "
+                             f"{c64['server_cpu_us_per_req']:.0f} | {c1['client_cpu_us_per_req']:.0f} / {c64['client_cpu_us_per_req']:.0f} |")
+        lines.append("")
+    if result.get("fraud"):
+        lines += ["## Fraud end to end (features from Redis + inference), compiled settings", "",
+                  f"Feature backend: {result['feature_backend']['fraud'][0]} ({result['feature_backend']['fraud'][1]}).", "",
+                  "| concurrency | served | failed | p50 ms | p99 ms | avg batch | dominant | features | client | queue | compute | network |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for k, v in result["fraud"].items():
+            p = v["phases_mean_ms"]
+            lines.append(f"| {k.split('_')[1]} | {v['served']} | {sum(v['errors'].values())} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} | {v['avg_batch']:.1f} | {v['dominant']} | "
+                         + " | ".join(f"{p[x]:.3f}" for x in ("features", "client", "queue", "compute", "network")) + " |")
+        lines += ["", "Phases are means in ms (features: the fetch; client: validation and assembly; queue/compute: Triton's statistics; network: the rest of the inference call)."]
+    if result.get("ranking"):
+        lines += ["", "## Ranking at concurrency 1: chunks of max_batch_size, by chunks of one request in flight (interleaved rounds)", "",
+                  "| candidates | chunks | in flight | served | rejected (OverloadedError) | infer p50 / p99 ms | total p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
+        for n_c, variants in result["ranking"].items():
+            for k, v in variants.items():
+                lines.append(f"| {n_c.split('_')[1]} | {v['chunks']} | {k} | {v['served']} | {v['rejected']} | {fmt(v['infer_p50_ms'])} / {fmt(v['infer_p99_ms'])} | {fmt(v['total_p50_ms'])} / {fmt(v['total_p99_ms'])} |")
+        lines += ["", "A rejected request is Triton's queue policy at work (REJECT after the compiled queue timeout); the client raises OverloadedError instead of retrying it."]
+    return "\n".join(lines) + "\n"
+
+
+def cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=25)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ranking-requests", type=int, default=15, help="ranking requests per variant, candidate count and round")
+    ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run, not for the results)")
+    ap.add_argument("--only", choices=("batching", "paths"), help="run one part")
+    ap.add_argument("--out", default="request_path", help="results name under benchmarks/results/")
+    ap.add_argument("--note", default="", help="a line about the conditions of this run, kept in the results")
+    ap.add_argument("--recompile", action="store_true", help="compile the demo models again even when unchanged (after a change to the compiler)")
     args = ap.parse_args()
     ws = paths.workspace()
     specs = {p.stem: p for p in train_demo_models(ws / "models")}
     repository = ws / "model_repository"
     for name in ("fraud_xgb", "ranking_xgb"):
-        compile_model(specs[name], repository)
+        compile_model(specs[name], repository, force=args.recompile)
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     repo = ws / "feature_repo_bench"
-    demo_features.init_repo(repo, online="redis", redis_url=redis_url, project="bench_request_path")
+    init_repo(repo, online="redis", redis_url=redis_url, project="bench_request_path")
     store.apply(repo)
     store.materialize(repo)
-    with LocalTriton(repository, models=["fraud_xgb", "ranking_xgb"]) as server:
-        t = time.time()
-        result = asyncio.run(run(server.grpc_url, repo, args.rounds, args.requests))
-    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "seconds": round(time.time() - t, 1)}
+    conc = {c: n // (10 if args.quick else 1) for c, n in CONCURRENCY.items()}
+    load_before = os.getloadavg()
+    t = time.time()
+    result: dict = {}
+    if args.only in (None, "batching"):
+        result["batching"] = run_batching(repository, args.rounds, conc)
+    if args.only in (None, "paths"):
+        server = start_server(repository, ["fraud_xgb", "ranking_xgb"])
+        try:
+            result.update(asyncio.run(run_paths(server.grpc_url, repo, args.rounds, max(2, args.ranking_requests // (5 if args.quick else 1)), args.quick)))
+        finally:
+            server.stop()
+        result["served_settings"] = {"fraud_xgb": served_settings(repository / "fraud_xgb"), "ranking_xgb": served_settings(repository / "ranking_xgb")}
+    result["machine"] = {
+        "cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(), "seconds": round(time.time() - t, 1),
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick, "note": args.note,
+    }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "request_path.json").write_text(json.dumps(result, indent=2))
-    lines = ["# Request path (local Triton, Redis features, demo models)", "", "## Fraud, 300 requests", "",
-             "| concurrency | served | failed | p50 ms | p99 ms | avg batch | dominant | features | client | queue | compute | network |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for k, v in result["fraud"].items():
-        p = v["phases_mean_ms"]
-        lines.append(f"| {k.split('_')[1]} | {v['served']} | {sum(v['errors'].values())} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} | {v['avg_batch']:.1f} | {v['dominant']} | "
-                     + " | ".join(f"{p[x]:.3f}" for x in ("features", "client", "queue", "compute", "network")) + " |")
-    lines += ["", "## Ranking: infer phase by chunk size (interleaved rounds)", "", "| candidates | variant | served | rejected (OverloadedError) | infer p50 ms | infer p99 ms |", "|---|---|---|---|---|---|"]
-    for n_c, variants in result["ranking"].items():
-        for k, v in variants.items():
-            fmt = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
-            lines.append(f"| {n_c.split('_')[1]} | {k} | {v['served']} | {v['rejected']} | {fmt(v['infer_p50_ms'])} | {fmt(v['infer_p99_ms'])} |")
-    lines += ["", "A rejected request is Triton's queue policy at work (REJECT after the compiled queue timeout, "
-              "derived from the spec's 10 ms budget); the client raises OverloadedError instead of retrying it."]
-    (RESULTS / "request_path.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
+    text = render(result)
+    (RESULTS / f"{args.out}.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
