@@ -122,10 +122,14 @@ def evaluate_peers(data: dict) -> list[dict]:
             srv = (over.get("server_stats") or {}) if "server_stats" in over else {}
             tri = over.get("triton_avg_request_ms", srv.get("avg_request_ms"))
             q = over.get("triton_avg_queue_ms", srv.get("avg_queue_ms"))
-            phase = (f"outside Triton's scheduler queue: Triton's own average for served requests is {_f(tri)} ms in the server "
-                     f"({_f(q)} ms queued), so the wait is in front of it — the load generator's event loop "
-                     f"({_f(over['client_cpu_cores'])} cores, send lag p99 {_f(over['send_lag_ms_p99'], '{:.1f}')} ms) and the gRPC connection; "
-                     "the queue policy only bounds the scheduler queue")
+            client = (f"the load generator ({_f(over['client_cpu_cores'])} cores, send lag p99 {_f(over['send_lag_ms_p99'], '{:.1f}')} ms) "
+                      "also fell behind")
+            if tri is not None and budget is not None and tri > budget:
+                phase = (f"inside Triton after its queue: served requests averaged {_f(tri)} ms in the server, only {_f(q)} ms of it queued "
+                         f"(the queue policy bounds the queue alone; execution and the gRPC frontend on saturated cores take the rest); {client}")
+            else:
+                phase = (f"in front of Triton: served requests averaged {_f(tri)} ms in the server ({_f(q)} ms queued), so the wait is in the "
+                         f"client's event loop and the gRPC connection; {client}")
         rows.append({"target": f"open loop at 120% of capacity ({where}): excess shed by rejection, served p99 <= budget ({budget} ms)",
                      "met": shed and p99_ok,
                      "measured": f"offered {over['rate']:,.0f}/s, served {over['throughput']:,.0f}/s, {rejected:,} rejected of {over['sent']:,}, "
