@@ -152,6 +152,7 @@ def _plots(data: dict) -> list[tuple[str, str]]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.NullLocator below
 
     plots, base = _PLOT_DIR["dir"], _PLOT_DIR["base"]
     plots.mkdir(parents=True, exist_ok=True)
@@ -165,6 +166,9 @@ def _plots(data: dict) -> list[tuple[str, str]]:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=_color(name), label=LABELS.get(name, name))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        conc = sorted({int(c) for modes in s.values() for c in modes["closed"]})
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xlabel("concurrent callers (closed loop)")
         ax.set_title(pct.replace("_ms", "") + " latency")
         ax.grid(True, which="both", alpha=0.3)
@@ -176,7 +180,7 @@ def _plots(data: dict) -> list[tuple[str, str]]:
     plt.close(fig)
     out.append(("Latency by concurrency (closed loop)", os.path.relpath(path, base)))
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, modes in s.items():
         color = _color(name)
         pts = sorted((int(c), v["throughput"], v["p99_ms"]) for c, v in modes["closed"].items() if v["p99_ms"] is not None)
@@ -190,7 +194,7 @@ def _plots(data: dict) -> list[tuple[str, str]]:
     ax.set_ylabel("p99 ms")
     ax.set_title("Throughput against p99 (o closed loop 1/16/64, x open loop 50/80/120%)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path = plots / "peers_throughput_vs_p99.png"
     fig.savefig(path, dpi=80)
