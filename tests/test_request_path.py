@@ -183,6 +183,102 @@ def test_one_call_and_chunks_agree(loop, services):
     np.testing.assert_allclose(a.scores, b.scores, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def all_items_repo(tmp_path_factory, redis_url):
+    """A feature repository with every item the largest ranking request may name (limits.MAX_CANDIDATES)."""
+    from scorestack import limits
+
+    repo = tmp_path_factory.mktemp("features_all_items") / "repo"
+    demo_features.init_repo(repo, online="redis", redis_url=redis_url, n_users=20, n_items=limits.MAX_CANDIDATES, project="e2e_ranking_fan_out")
+    store.apply(repo)
+    store.materialize(repo)
+    return repo
+
+
+def test_ranking_fan_out_is_never_rejected_at_concurrency_1(loop, triton, compiled_demo, all_items_repo):
+    """1000 and MAX_CANDIDATES candidates, one request at a time, with the default chunk plan: the
+    request's own chunks never queue behind one another (at most the model's instance count in
+    flight), so none is rejected by the queue policy, and the scores are the source ranker's."""
+    from scorestack import limits
+    from scorestack.errors import OverloadedError
+
+    client, fetcher = _open(loop, triton.grpc_url, all_items_repo, deadline_s=5.0, timeout_s=2.0)
+    source = _source(compiled_demo[2], "ranking_xgb")
+    fs = store.feature_store(all_items_repo)
+    try:
+        info = loop.run_until_complete(client.model_info("ranking_xgb"))
+        assert info.instances >= 1 and info.max_batch_size > 0
+        ranking = RankingService(client, fetcher, model="ranking_xgb", max_candidates=limits.MAX_CANDIDATES)
+        rng = np.random.default_rng(7)
+        ctx = _context(1)
+        for n in (1000, limits.MAX_CANDIDATES):
+            rejected = 0
+            for k in range(6):
+                user = 1 + k % 20
+                candidates = rng.permutation(np.arange(1, limits.MAX_CANDIDATES + 1))[:n].tolist()
+                try:
+                    result = loop.run_until_complete(ranking.rank(user, candidates, ctx))
+                except OverloadedError:
+                    rejected += 1
+                    continue
+                assert result.chunks == math.ceil(n / info.max_batch_size) and not result.degraded
+                assert sorted(result.item_ids) == sorted(candidates)
+                if k == 0:  # the scores are the source ranker's on Feast's own read of the same rows
+                    online = fs.get_online_features(
+                        features=fs.get_feature_service("ranking"), entity_rows=[{"user_id": user, "item_id": c} for c in candidates]
+                    ).to_dict()
+                    X = np.empty((n, len(schema.RANKING_FEATURES)), dtype=np.float32)
+                    for j, name in enumerate(schema.RANKING_FEATURES):
+                        X[:, j] = online[name] if name in online else ctx[name]
+                    got = dict(zip(result.item_ids, result.scores))
+                    np.testing.assert_allclose([got[c] for c in candidates], source.predict(X).ravel(), atol=1e-5)
+                    assert np.all(np.diff(result.scores) <= 0)
+            assert rejected == 0, f"{rejected} of 6 requests with {n} candidates rejected at concurrency 1"
+    finally:
+        loop.run_until_complete(fetcher.close())
+        loop.run_until_complete(client.close())
+
+
+def test_ranking_chunks_in_flight_are_bounded_and_results_keep_order(loop, services):
+    """max_in_flight bounds how many of a request's chunks are in Triton at once; every plan returns
+    the same ranking, and a bad setting is refused naming the argument."""
+    client, fetcher, _, _ = services
+    in_flight = peak = 0
+    infer = client.infer
+
+    async def counting(*args, **kwargs):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await infer(*args, **kwargs)
+        finally:
+            in_flight -= 1
+
+    items = list(range(1, 501))
+    results = {}
+    client.infer = counting
+    try:
+        for window in (1, 2, 3, 0):
+            peak = 0
+            service = RankingService(client, fetcher, model="ranking_xgb", chunk_size=50, max_in_flight=window)
+            results[window] = loop.run_until_complete(service.rank(11, items, _context()))
+            assert results[window].chunks == 10
+            assert peak == (10 if window == 0 else window)
+    finally:
+        del client.infer  # the instance attribute goes; the class's method is back
+    for window in (2, 3, 0):
+        assert results[window].item_ids == results[1].item_ids
+        np.testing.assert_allclose(results[window].scores, results[1].scores, atol=1e-6)
+    for bad, name in ((-1, "max_in_flight"),):
+        with pytest.raises(RequestValidationError) as err:
+            RankingService(client, fetcher, model="ranking_xgb", max_in_flight=bad)
+        assert err.value.field == name
+    with pytest.raises(RequestValidationError) as err:
+        RankingService(client, fetcher, model="ranking_xgb", chunk_size=0)
+    assert err.value.field == "chunk_size"
+
+
 @pytest.mark.parametrize(
     "mutate, field",
     [
