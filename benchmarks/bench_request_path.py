@@ -83,6 +83,16 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICK
 
 
+def pin(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of `pids` may run only on `cpus` (threads created later inherit it)."""
+    for p in pids:
+        for tid in os.listdir(f"/proc/{p}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:
+                pass
+
+
 def placement(pids: list[int]) -> list[dict]:
     """Per process: name, threads, the CPUs it may run on, the CPU it last ran on."""
     out = []
@@ -176,24 +186,34 @@ def served_settings(folder: Path) -> dict:
             "default_timeout_us": grab("default_timeout_microseconds"), "max_queue_size": grab("max_queue_size")}
 
 
-async def batching_round(grpc_url: str, pid: int, conc: dict[int, int]) -> dict:
+async def batching_round(grpc_url: str, pid: int, conc: dict[int, int], pinned: bool = False) -> dict:
     x = np.random.default_rng(0).random((1, 30), dtype=np.float32)
+    cpus = sorted(os.sched_getaffinity(0))
+    if pinned and len(cpus) >= 2:  # the client (this process, its gRPC threads too) on one core, the server on the rest
+        pin([os.getpid()], {cpus[0]})
     async with TritonClient(grpc_url, deadline_s=5.0) as triton:
         await asyncio.sleep(0.5)  # let the stubs settle after loading
         pids = server_processes(pid)
+        if pinned and len(cpus) >= 2:
+            pin(pids, set(cpus[1:]))
         out = {f"c{c}": await closed_loop(triton, "fraud_xgb", x, n, c, pids) for c, n in conc.items()}
         out["placement"] = placement(pids)
+    if pinned:
+        pin([os.getpid()], set(cpus))
     return out
 
 
-def run_batching(repository: Path, rounds: int, conc: dict[int, int]) -> dict:
+def run_batching(repository: Path, rounds: int, conc: dict[int, int], only: list[str] | None = None) -> dict:
     compiled = served_settings(repository / "fraud_xgb")
     variants = {
         "compiled": (compiled["max_queue_delay_us"], compiled["instances"]),
         "delay 200 us, 2 instances (before)": (200, 2),
         "delay 0, 2 instances": (0, 2),
         "delay 0, 1 instance": (0, 1),
+        "delay 0, 2 instances, pinned (client 1 core, server the other)": (0, 2),
     }
+    if only:
+        variants = {k: v for k, v in variants.items() if any(k.startswith(o) for o in only)}
     results: dict = {k: [] for k in variants}
     with tempfile.TemporaryDirectory(prefix="bench_rp_") as tmp:
         repos = {k: variant_repository(repository / "fraud_xgb", Path(tmp) / f"v{i}", d, n) for i, (k, (d, n)) in enumerate(variants.items())}
@@ -202,7 +222,7 @@ def run_batching(repository: Path, rounds: int, conc: dict[int, int]) -> dict:
             for k in order:
                 server = start_server(repos[k], ["fraud_xgb"])
                 try:
-                    res = asyncio.run(batching_round(server.grpc_url, server.process.pid, conc))
+                    res = asyncio.run(batching_round(server.grpc_url, server.process.pid, conc, pinned="pinned" in k))
                 finally:
                     server.stop()
                 res["round"] = r
@@ -323,6 +343,7 @@ def main() -> None:
     ap.add_argument("--ranking-requests", type=int, default=15, help="ranking requests per variant, candidate count and round")
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run, not for the results)")
     ap.add_argument("--only", choices=("batching", "paths"), help="run one part")
+    ap.add_argument("--variants", default="", help="batching: comma-separated variant names to run (default: all)")
     ap.add_argument("--out", default="request_path", help="results name under benchmarks/results/")
     ap.add_argument("--note", default="", help="a line about the conditions of this run, kept in the results")
     ap.add_argument("--recompile", action="store_true", help="compile the demo models again even when unchanged (after a change to the compiler)")
@@ -342,7 +363,7 @@ def main() -> None:
     t = time.time()
     result: dict = {}
     if args.only in (None, "batching"):
-        result["batching"] = run_batching(repository, args.rounds, conc)
+        result["batching"] = run_batching(repository, args.rounds, conc, [v.strip() for v in args.variants.split(",") if v.strip()])
     if args.only in (None, "paths"):
         server = start_server(repository, ["fraud_xgb", "ranking_xgb"])
         try:
