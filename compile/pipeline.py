@@ -14,6 +14,7 @@ import numpy as np
 
 from scorestack.errors import PlatformError, VerificationError
 from scorestack.paths import default_repository
+from scorestack.triton_config import load_config
 from scorestack.serve import ensure_server_environment
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.worker import RuntimeWorker, WorkerError, project_python_worker
@@ -22,11 +23,11 @@ from . import dispatch, emit, measure, passes, registry, verify, vision_passes
 from .loaders import load_holdout, load_source
 from .model import Holdout, SourceModel
 from .profile import BatchProfile, profile_for
-from .report import CandidateReport, CompileReport, DispatchReport, PassReport, SelectedReport, ServeCheckReport, TritonSettings, build_report, render_markdown
+from .report import CandidateReport, CompileReport, DispatchReport, PassReport, RetiredVersion, SelectedReport, ServeCheckReport, TritonSettings, build_report, render_markdown
 from .serve_check import check_served
 from .spec import ModelSpec, load_spec
 
-COMPILER_VERSION = "scorestack-compile 2"  # 2: measured on a batch-size grid, per-batch-size dispatch
+COMPILER_VERSION = "scorestack-compile 3"  # 2: measured on a batch-size grid, per-batch-size dispatch; 3: no queue delay (a lone request runs at once)
 
 
 def content_hash(spec_path: Path, spec: ModelSpec, profile: BatchProfile | None = None) -> str:
@@ -67,15 +68,68 @@ def versions(model_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def _install(staged: Path, dest: Path, version: int, keep: int) -> None:
+# The parts of a config that bind a version's files: which runtime reads which artifact, and the
+# tensors. Versions compiled under a config that differs in these cannot be served under the new one.
+_BINDING_PARAMS = (rt.PARAM_RUNTIME, rt.PARAM_ARTIFACT, rt.PARAM_DISPATCH, rt.PARAM_OUTPUT_COLUMN, rt.PARAM_METHOD)
+
+
+def _binding(cfg) -> dict[str, object]:  # noqa: ANN001 - a ModelConfig
+    out: dict[str, object] = {
+        "backend": cfg.backend or cfg.platform,
+        "default_model_filename": cfg.default_model_filename,
+        "batching": cfg.max_batch_size > 0,
+        "tensors": [(t.name, t.data_type, list(t.dims)) for t in (*cfg.input, *cfg.output)],
+    }
+    out.update({k: cfg.parameters[k].string_value for k in _BINDING_PARAMS if k in cfg.parameters})
+    return out
+
+
+def retired_root(repository: Path) -> Path:
+    """Where versions a new config cannot serve are kept, beside (not in) the repository Triton reads."""
+    return repository.parent / f".{repository.name}.retired"
+
+
+def _to_retire(dest: Path, new_cfg, repository: Path, version: int) -> list[RetiredVersion]:  # noqa: ANN001
+    """The versions in `dest` that the new config cannot serve (Triton applies one config.pbtxt to
+    every version it loads: an older version of another format would fail to load, and with it the model)."""
+    old_config = dest / "config.pbtxt"
+    existing = versions(dest)
+    if not existing or not old_config.is_file():
+        return []
+    try:
+        old = load_config(old_config)
+    except Exception as exc:  # noqa: BLE001 - an unreadable config binds nothing we can check
+        why = f"its config.pbtxt could not be read ({exc})"
+    else:
+        before, after = _binding(old), _binding(new_cfg)
+        differ = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        if not differ:
+            return []
+        why = f"the new version {version}'s config.pbtxt differs in {', '.join(differ)}, and Triton serves every version with that one config"
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    return [RetiredVersion(version=v, reason=why, moved_to=str(retired_root(repository) / dest.name / f"{v}-{stamp}")) for v in existing]
+
+
+def _install(staged: Path, dest: Path, version: int, keep: int, retire: list[RetiredVersion] = ()) -> None:  # noqa: B006 - read only
     """Add the staged version to `dest` with renames only (a reader never sees a half-written model),
-    then drop versions beyond the newest `keep`."""
+    move the versions the new config cannot serve out of the repository (each with the config that
+    served it, a model folder of its own that can be put back), then drop versions beyond the newest `keep`."""
     dest.mkdir(parents=True, exist_ok=True)
+    for r in retire:  # first: the new version never meets an old one under either config
+        target = Path(r.moved_to)
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(dest / "config.pbtxt", target / "config.pbtxt")
+        os.rename(dest / str(r.version), target / str(r.version))
     os.rename(staged / str(version), dest / str(version))
     for name in ("config.pbtxt", "report.json", "report.md"):
         os.replace(staged / name, dest / name)
     for old in versions(dest)[:-keep]:
         shutil.rmtree(dest / str(old), ignore_errors=True)
+    if retire:
+        folder = retired_root(dest.parent) / dest.name
+        old_ones = sorted(folder.iterdir(), key=lambda p: p.stat().st_mtime)
+        for stale in old_ones[:-keep]:  # as many retired versions as served ones
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _apply_passes(spec: ModelSpec, source: SourceModel, holdout: Holdout, threads: int) -> tuple[SourceModel, list[PassReport], dict[str, SourceModel]]:
@@ -516,10 +570,11 @@ def compile_model(
                 )
         else:
             report.serve_check = ServeCheckReport(status="skipped", reason="--no-serve-check")
+        report.retired = _to_retire(dest, cfg, repository, version)
         report.duration_s = round(time.perf_counter() - started, 2)
         (folder / "report.json").write_text(report.model_dump_json(indent=2))
         (folder / "report.md").write_text(render_markdown(report))
-        _install(folder, dest, version, spec.serving.keep_versions)
+        _install(folder, dest, version, spec.serving.keep_versions, report.retired)
         return report
     finally:
         shutil.rmtree(staging, ignore_errors=True)

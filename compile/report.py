@@ -138,6 +138,12 @@ class SourceReport(_Model):
     input_shape: list[int] | None = None  # image models: one image on the wire (uint8, in the spec's layout)
 
 
+class RetiredVersion(_Model):
+    version: int
+    reason: str
+    moved_to: str
+
+
 class CompileReport(_Model):
     name: str
     spec: str
@@ -164,6 +170,9 @@ class CompileReport(_Model):
     serve_check: ServeCheckReport | None = None
     dispatch: DispatchReport | None = None
     batch_profile: ProfileReport | None = None
+    # Older versions the new config.pbtxt cannot serve (another format, artifacts or tensors): moved out
+    # of the repository with their config, so Triton never loads them under this one.
+    retired: list[RetiredVersion] = Field(default_factory=list)
 
 
 def build_report(
@@ -277,6 +286,7 @@ def render_markdown(r: CompileReport) -> str:
         f"- verification: {r.holdout_rows} held-out rows as one joined batch of mixed-size requests and a sample at batch 1, "
         f"through the model runtime in {_env_line(r.verified_in)}; tolerance |Δ| ≤ {r.tolerance:g}",
         f"- serving check: {_serve_check_line(r.serve_check)}",
+        *(f"- retired version {v.version}: {v.reason}; moved to `{v.moved_to}`" for v in r.retired),
         f"- machine: {r.machine.get('cpus')} CPUs, {r.machine.get('platform')}",
         f"- content hash: `{r.content_hash[:16]}…`; compiled in {r.duration_s:.1f} s",
         "",

@@ -273,6 +273,37 @@ def _regression_spec(root: Path, tag: str, shift: float, keep_versions: int = 1,
     return path, xgb.Booster(model_file=str(root / f"swap_{tag}.json"))
 
 
+def test_a_recompile_in_another_format_retires_the_versions_its_config_cannot_serve(server_environment, tmp_path):
+    """Triton applies a model's one config.pbtxt to every version it loads. A recompile that changes
+    the format (here onnx -> native XGBoost) must not leave the older version in the repository, where
+    Triton would load it with the new config, fail, and refuse the model. It is moved aside with the
+    config that served it (a model folder of its own); a recompile in the same format keeps it."""
+    spec_path, booster = _regression_spec(tmp_path, "fmt", 0.0, keep_versions=2)
+    repo = tmp_path / "repo"
+    first = compile_model(spec_path, repo, serve_check=False)
+    same = compile_model(spec_path, repo, force=True, serve_check=False)  # same format: both versions stay
+    assert (first.version, same.version, same.retired) == (1, 2, [])
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["formats"] = ["native"]
+    spec_path.write_text(yaml.safe_dump(spec))
+    native = compile_model(spec_path, repo, serve_check=False)
+    assert native.version == 3 and native.selected.format == "native"
+    assert [r.version for r in native.retired] == [1, 2], native.retired
+    assert all("scorestack_artifact" in r.reason and "Triton serves every version with that one config" in r.reason for r in native.retired), native.retired
+    assert sorted(p.name for p in (repo / "swap").iterdir() if p.is_dir()) == ["3"]
+    for r in native.retired:  # each retired version is a servable model folder with its own config
+        moved = Path(r.moved_to)
+        assert moved.parent.parent == repo.parent / ".repo.retired" and (moved / str(r.version)).is_dir()
+        assert 'scorestack_artifact' in (moved / "config.pbtxt").read_text() and "model.onnx" in (moved / "config.pbtxt").read_text()
+    report_md = (repo / "swap" / "report.md").read_text()
+    assert "retired version 1" in report_md and "retired version 2" in report_md
+
+    X = np.load(tmp_path / "swap_fmt.npz")["X"][:16]
+    with LocalTriton(repo, server_env=server_environment, strict=True) as server:  # strict: any failed version fails the start
+        assert server.model_status["swap"].ready and server.model_status["swap"].versions == ("3",), server.model_status
+        np.testing.assert_allclose(_infer(server.grpc_url, "swap", X, "prediction")[:, 0], booster.predict(xgb.DMatrix(X)), atol=1e-5)
+
+
 def test_hot_swap_under_32_concurrent_clients_drops_nothing(server_environment, tmp_path):
     repo = tmp_path / "repo"
     # A 5 s budget puts Triton's queue timeout at ~5 s: with a tight one, requests queued while the
