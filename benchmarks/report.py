@@ -276,6 +276,21 @@ def render_peers(data: dict) -> list[str]:
             lines.append(f"| {label} | {_f(p['rate'], '{:,.0f}')} | {p['throughput']:,.0f} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} | "
                          f"{_f(p.get('p99_from_send_ms'))} | {rej:,} ({100 * rej / max(p['sent'], 1):.1f}%) | {_f(st.get('avg_request_ms'))} | "
                          f"{_f(st.get('avg_queue_ms'))} | {_f(st.get('avg_batch'), '{:.1f}')} | {_f(p['send_lag_ms_p99'])} | {_f(p['client_cpu_cores'])} |")
+    if data.get("history"):
+        runs = [{"date": data["date"], "load_before": data["load_before"], "load_after": data["load_after"],
+                 "c64_throughput": {t: v["closed"].get("64", {}).get("throughput") for t, v in s.items()},
+                 "server_cpu_us_per_request_c64": {t: v["closed"].get("64", {}).get("server_cpu_us_per_request") for t, v in s.items()}},
+                *data["history"]]
+        names = [t for t in s]
+        lines += ["", "### Run to run: this run first, then the other full runs kept in this file (newest first); c64 req/s, server CPU µs/request in brackets", "",
+                  *([data["history_note"], ""] if data.get("history_note") else []),
+                  "| run | load before → after | " + " | ".join(LABELS.get(t, t) for t in names) + " | scorestack / floor |",
+                  "|---|---|" + "---|" * len(names) + "---|"]
+        for h in runs:
+            tp, cpu = h.get("c64_throughput", {}), h.get("server_cpu_us_per_request_c64", {})
+            ratio = (tp.get("scorestack") or 0) / tp["triton_cache_floor"] if tp.get("triton_cache_floor") else None
+            lines.append(f"| {h['date']} | {h['load_before'][0]} → {h['load_after'][0]} | "
+                         + " | ".join(f"{_f(tp.get(t), '{:,.0f}')} ({_f(cpu.get(t), '{:.0f}')})" for t in names) + f" | {_f(ratio)} |")
     lines += ["", "### Issue 14's targets (fraud model)", "", "| target | met | measured (medians) | where a miss is held |", "|---|---|---|---|"]
     for row in evaluate_peers(data):
         lines.append(f"| {row['target']} | {'met' if row['met'] else '**missed**'} | {row['measured']} | {row['phase']} |")

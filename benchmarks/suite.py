@@ -151,6 +151,30 @@ def client_check(gen_factory, peers: dict, rows: np.ndarray, duration_s: float, 
     return out
 
 
+def history_entry(data: dict) -> dict:
+    """The headline of one run, kept in later runs' files: the spread between runs on a shared machine is a result too."""
+    s = data.get("summary", {})
+    return {"date": data.get("date"), "mode": data.get("mode"), "load_before": data.get("load_before"), "load_after": data.get("load_after"),
+            "compiled_at": data.get("model", {}).get("compiled_at"),
+            "c64_throughput": {t: v["closed"].get("64", {}).get("throughput") for t, v in s.items()},
+            "c64_p99_ms": {t: v["closed"].get("64", {}).get("p99_ms") for t, v in s.items()},
+            "c1_p50_ms": {t: v["closed"].get("1", {}).get("p50_ms") for t, v in s.items()},
+            "server_cpu_us_per_request_c64": {t: v["closed"].get("64", {}).get("server_cpu_us_per_request") for t, v in s.items()}}
+
+
+def run_history(path: Path, keep: int = 6) -> list[dict]:
+    """The previous file's own headline followed by its history (newest first), if there is one."""
+    if not path.exists():
+        return []
+    try:
+        prev = json.loads(path.read_text())
+    except ValueError:
+        return []
+    if "summary" not in prev:
+        return prev.get("history", [])[:keep]
+    return [history_entry(prev), *prev.get("history", [])][:keep]
+
+
 def overload_check(peer: servers.Peer, target: loadgen.Target, duration_s: float, warmup_s: float, fractions: list[float]) -> dict:
     """scorestack's server on core 0, the load generator alone on core 1: capacity (closed loop, 64 callers), then
     open loop at the same fractions of it. Apart, the load generator can offer more than the server carries, which on
@@ -384,6 +408,7 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
     data["failed_points"] = failures
     data["summary"] = summarize_runs(runs)
     data["must_show"] = report.evaluate_peers(data)
+    data["history"] = run_history(args.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1, default=float))
