@@ -238,9 +238,10 @@ class TritonClient:
         wanted = list(outputs) if outputs is not None else [t.name for t in info.outputs]
         attempts = 0
         if self._stub is not None and not any(t.datatype in _SERIALIZED_TYPES for t in info.inputs):
-            # The lean path: the request message built here in one pass (tritonclient's InferInput,
-            # request builder and InferResult cost ~40 µs of client CPU per call, measured in
-            # benchmarks/bench_request_path.py), sent on tritonclient's own stub and channel.
+            # The lean path: the request message built here in one pass, sent on tritonclient's own
+            # stub and channel (tritonclient's InferInput + set_data_from_numpy and its request
+            # builder cost 15 + 11 µs of client CPU per call, measured in-process; this whole
+            # method is now ~21 µs of Python around the gRPC call).
             request = service_pb2.ModelInferRequest(model_name=model)
             for t in info.inputs:
                 array = inputs[t.name]
