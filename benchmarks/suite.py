@@ -6,8 +6,8 @@ closed loop at each concurrency, then open loop (Poisson) at fractions of the ta
 maximum measured in that round. Writes benchmarks/results/peers.json (raw numbers, machine, load,
 versions, configuration of each peer) and regenerates benchmarks/REPORT.md with its plots.
 
-    .venv/bin/python benchmarks/suite.py            # the full comparison (~9 minutes)
-    .venv/bin/python benchmarks/suite.py --quick    # one round, ~1 s per point (~1.5 minutes)
+    .venv/bin/python benchmarks/suite.py            # the full comparison (~8 minutes of measuring)
+    .venv/bin/python benchmarks/suite.py --quick    # one round, ~1 s per point (~2.5 minutes)
 """
 
 from __future__ import annotations

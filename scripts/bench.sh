@@ -3,8 +3,8 @@
 # Triton's response-cache floor, same fraud model, same machine, interleaved rounds.
 # Writes benchmarks/results/peers.json and regenerates benchmarks/REPORT.md (+ results/plots/).
 #
-#   scripts/bench.sh            # full run (~10 minutes on 2 cores)
-#   scripts/bench.sh --quick    # one round, 1 s per point (~1.5 minutes)
+#   scripts/bench.sh            # full run (~8 minutes of measuring on 2 cores; 3 rounds, 2.5 s per point)
+#   scripts/bench.sh --quick    # one round, 1 s per point (~2.5 minutes)
 #   scripts/bench.sh --targets scorestack,fastapi_onnxruntime --rounds 2
 #
 # The first run also trains/compiles the demo fraud model (~1 minute) and builds MLServer's own
