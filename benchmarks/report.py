@@ -211,7 +211,9 @@ def render_peers(data: dict) -> list[str]:
         "## Side by side: the fraud model on scorestack and on what a user would pick instead",
         "",
         f"Run {data['date']} ({data['mode']} mode, {data['settings']['rounds']} interleaved rounds, {data['settings']['duration_s']} s per point "
-        f"after {data['settings']['warmup_s']} s warm-up, {data['seconds']} s in all). Machine: {m['cores']} cores, {m['cpu_model']}, "
+        f"after {data['settings']['warmup_s']} s warm-up, {data['seconds']} s in all"
+        + (f", of which {data['quiet_file']['waited_s']} s waiting for another measurement to finish" if (data.get("quiet_file") or {}).get("waited_s") else "")
+        + f"). Machine: {m['cores']} cores, {m['cpu_model']}, "
         f"{m['memory_gib']} GiB, {m['platform']}, Python {m['python']}. Load average before {data['load_before']}, after {data['load_after']}"
         + (f"; another measurement held the machine: {data['quiet_file']['other_holder']}"
            if (data.get("quiet_file") or {}).get("measured_while_held_by_other") else "") + ".",
