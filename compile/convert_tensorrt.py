@@ -155,3 +155,70 @@ def _vision_engine(precision: str):
 for _family in ("torch-vision", "torchscript-vision", "onnx-vision"):
     register_converter(_family, "tensorrt", _vision_engine("fp16"))
     register_converter(_family, "tensorrt-int8", _vision_engine("int8"))
+
+
+# --- image models: ONNX Runtime with Triton's TensorRT execution accelerator -------------------------
+# Triton's onnxruntime backend builds TensorRT engines itself when the model config names the
+# "tensorrt" gpu_execution_accelerator (onnxruntime_backend README, "ONNX Runtime with TensorRT
+# optimization"): the artifact stays the fp32 ONNX graph, and subgraphs TensorRT cannot take run on
+# ONNX Runtime's CUDA provider. Keys are the backend's (precision_mode -> trt_fp16_enable,
+# max_workspace_size_bytes -> trt_max_workspace_size, trt_engine_cache_enable/path).
+ORT_TENSORRT_FORMAT = "onnx-tensorrt"
+ORT_TENSORRT_PARAMETERS: dict[str, str] = {
+    "precision_mode": "FP16",
+    "max_workspace_size_bytes": str(1 << 30),
+    # Engines are built at model load (seconds to minutes); the cache keeps them across restarts.
+    "trt_engine_cache_enable": "1",
+    "trt_engine_cache_path": "/tmp/scorestack_trt_cache",
+}
+
+
+def ort_tensorrt_available() -> str | None:
+    """None when ONNX Runtime here can run a session on its TensorRT execution provider, else the reason it cannot.
+
+    `get_available_providers()` alone is not proof: onnxruntime-gpu lists TensorrtExecutionProvider and,
+    without the TensorRT/CUDA libraries, silently falls back to CPU at session creation; so a one-node
+    session is created and the provider it actually got is checked."""
+    import onnxruntime as ort
+
+    if "TensorrtExecutionProvider" not in ort.get_available_providers():
+        return f"onnxruntime {ort.__version__} has no TensorrtExecutionProvider (providers: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu with TensorRT on a GPU machine"
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["TensorrtExecutionProvider", "CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - a provider that fails to load raises various errors
+        return f"onnxruntime's TensorrtExecutionProvider failed to start ({type(exc).__name__}: {exc})"
+    if "TensorrtExecutionProvider" not in session.get_providers():
+        return "onnxruntime lists TensorrtExecutionProvider but fell back to CPU (no GPU, or the TensorRT/CUDA libraries are missing)"
+    return None
+
+
+def convert_ort_tensorrt(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+    """Image classifier -> fp32 ONNX served by Triton's onnxruntime backend with the TensorRT accelerator (FP16).
+
+    The config block is added by compile/emit.py for this format (ORT_TENSORRT_PARAMETERS)."""
+    if ctx.target != "gpu":
+        raise Skip("target is cpu: the TensorRT execution accelerator runs on NVIDIA GPUs (set `target: gpu`); the ONNX candidates serve this model")
+    reason = ort_tensorrt_available()
+    if reason is not None:
+        raise Skip(reason)
+    from .convert_torch import FP32_ARTIFACT, export_fp32
+
+    path, notes = export_fp32(source, workdir)
+    params = ", ".join(f"{k}={v}" for k, v in ORT_TENSORRT_PARAMETERS.items())
+    notes.append(f"served by Triton's onnxruntime backend with gpu_execution_accelerator tensorrt ({params})")
+    # FP16 engines are not exact: accepted within the accuracy budget, like the other reduced-precision formats.
+    return Artifact(ORT_TENSORRT_FORMAT, "onnxruntime", "onnxruntime", FP32_ARTIFACT, path, exact=False, notes=notes)
+
+
+for _family in ("torch-vision", "torchscript-vision", "onnx-vision"):
+    register_converter(_family, ORT_TENSORRT_FORMAT, convert_ort_tensorrt)

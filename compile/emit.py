@@ -17,6 +17,7 @@ from scorestack.serve import runtime_files
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.triton_config import format_config, parse_config
 
+from .convert_tensorrt import ORT_TENSORRT_FORMAT, ORT_TENSORRT_PARAMETERS
 from .profile import BatchProfile
 from .registry import Artifact
 from .report import TritonSettings
@@ -135,6 +136,13 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
 
     group = cfg.instance_group.add(count=settings.instance_count)
     group.kind = mc.ModelInstanceGroup.KIND_GPU if settings.instance_kind == "KIND_GPU" else mc.ModelInstanceGroup.KIND_CPU
+    if artifact.format == ORT_TENSORRT_FORMAT:
+        # ONNX Runtime with Triton's TensorRT execution accelerator (onnxruntime backend): the backend
+        # builds the engines at load; the accelerator applies to GPU instances only.
+        group.kind = mc.ModelInstanceGroup.KIND_GPU
+        accel = cfg.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
+        for k, v in ORT_TENSORRT_PARAMETERS.items():
+            accel.parameters[k] = v
 
     warm = cfg.model_warmup.add(name="zero_batch1", batch_size=1)
     wi = warm.inputs[in_name]

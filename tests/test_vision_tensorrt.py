@@ -57,6 +57,53 @@ def test_tensorrt_plan_config_validates_against_tritons_schema(tmp_path) -> None
         parse_config(text.replace("platform:", "platfrom:"), "config.pbtxt")
 
 
+def test_onnx_tensorrt_accelerator_config_validates_against_tritons_schema(tmp_path) -> None:
+    spec = parse_spec(_spec_dict(tmp_path), "tiny.yaml", tmp_path)
+    art = Artifact("onnx-tensorrt", "onnxruntime", "onnxruntime", "model.onnx", tmp_path / "model.onnx", exact=False)
+    settings = TritonSettings(max_batch_size=16, max_queue_delay_us=100, default_timeout_us=10000, max_queue_size=64, instance_count=1, instance_kind="KIND_CPU", threads=1, rules=[])
+    cfg = emit.write_config(tmp_path / "tiny_cnn", emit.build_config(spec, art, settings, 4))
+    text = (tmp_path / "tiny_cnn" / "config.pbtxt").read_text()
+    parsed = load_config(tmp_path / "tiny_cnn" / "config.pbtxt")  # Triton's own model_config.proto
+    assert parsed == cfg
+    assert parsed.backend == "onnxruntime" and parsed.platform == "" and parsed.default_model_filename == "model.onnx"
+    # The accelerator applies to GPU instances only: the group is KIND_GPU whatever the CPU-side settings said.
+    assert [g.kind for g in parsed.instance_group] == [parsed.instance_group[0].KIND_GPU]
+    (accel,) = parsed.optimization.execution_accelerators.gpu_execution_accelerator
+    assert accel.name == "tensorrt"
+    assert dict(accel.parameters) == {
+        "precision_mode": "FP16", "max_workspace_size_bytes": "1073741824", "trt_engine_cache_enable": "1", "trt_engine_cache_path": "/tmp/scorestack_trt_cache",
+    }
+    assert not parsed.optimization.execution_accelerators.cpu_execution_accelerator
+    assert 'name: "tensorrt"' in text and 'key: "precision_mode"' in text and 'value: "FP16"' in text
+    # The schema check is real: a misspelled accelerator field is refused by name.
+    with pytest.raises(ConfigError, match="gpu_execution_acelerator"):
+        parse_config(text.replace("gpu_execution_accelerator", "gpu_execution_acelerator"), "config.pbtxt")
+    # Plain ONNX candidates carry no accelerator block.
+    plain = emit.build_config(spec, Artifact("onnx", "onnxruntime", "onnxruntime", "model.onnx", tmp_path / "model.onnx"), settings, 4)
+    assert not plain.HasField("optimization")
+
+
+def test_onnx_tensorrt_candidate_skips_with_the_reason(tmp_path) -> None:
+    from scorestack.compile.convert_tensorrt import convert_ort_tensorrt, ort_tensorrt_available
+    from scorestack.compile.registry import ConvertContext, Skip
+
+    ctx = ConvertContext(task="image-classification", n_features=3 * 16 * 16, target="cpu", sample=np.zeros((1, 3, 16, 16), np.uint8))
+    with pytest.raises(Skip, match="target is cpu: the TensorRT execution accelerator runs on NVIDIA GPUs"):
+        convert_ort_tensorrt(None, tmp_path, ctx)
+    reason = ort_tensorrt_available()
+    if reason is None:  # a GPU machine with onnxruntime's TensorRT provider: nothing to skip for
+        return
+    import onnxruntime as ort
+
+    assert "TensorrtExecutionProvider" in reason
+    gpu_ctx = ConvertContext(task="image-classification", n_features=3 * 16 * 16, target="gpu", sample=ctx.sample)
+    with pytest.raises(Skip) as exc:
+        convert_ort_tensorrt(None, tmp_path, gpu_ctx)
+    assert str(exc.value) == reason
+    if "TensorrtExecutionProvider" not in ort.get_available_providers():
+        assert reason.startswith(f"onnxruntime {ort.__version__} has no TensorrtExecutionProvider")
+
+
 def test_without_tensorrt_the_stage_says_so_and_the_onnx_artifact_is_emitted(tmp_path) -> None:
     has_tensorrt = importlib.util.find_spec("tensorrt") is not None
     torch.manual_seed(0)
