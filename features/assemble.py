@@ -19,6 +19,38 @@ from scorestack.features.results import FeatureStatus
 
 NOT_READ = object()  # an entity the store was not asked about in time (timeout, error, open breaker)
 
+# Plain ints: an IntEnum member handed to numpy costs an enum attribute lookup per use.
+_PRESENT, _MISSING, _STALE, _DEFAULTED = (int(s) for s in (FeatureStatus.PRESENT, FeatureStatus.MISSING, FeatureStatus.STALE, FeatureStatus.DEFAULTED))
+
+
+def _one_entity(spec: ViewSpec, row: Any, now: float, metrics: FetchMetrics) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, list]]:
+    """view_matrix for a single entity (a fraud request's user): the same result without stacking."""
+    width = len(spec.features)
+    defaults = spec.defaults.astype(np.float64)
+    raw: dict[str, list] = {}
+    if row is NOT_READ or row is None:
+        code = _DEFAULTED if row is NOT_READ else _MISSING
+        values, status, row_status = defaults[None, :], np.full((1, width), code, dtype=np.int8), np.array([code], dtype=np.int8)
+        if spec.raw_features:
+            raw = {feature: [None] for feature in spec.raw_features}
+        if row is NOT_READ:
+            metrics.child(metrics.defaults, spec.name, "degraded").inc(width)
+        else:
+            metrics.child(metrics.defaults, spec.name, "missing").inc(width)
+        return values, status, row_status, raw
+    have = np.asarray(row.found, dtype=bool)
+    stale = spec.ttl_s > 0 and now - row.event_ts > spec.ttl_s
+    values = np.where(have, row.values, defaults)[None, :]
+    status = np.where(have, np.int8(_STALE if stale else _PRESENT), np.int8(_MISSING)).astype(np.int8)[None, :]
+    if spec.raw_features:
+        raw = {feature: [row.raw[j]] for j, feature in enumerate(spec.raw_features)}
+    n_found = int(np.count_nonzero(have))
+    if n_found < width:
+        metrics.child(metrics.defaults, spec.name, "missing").inc(width - n_found)
+    if stale and n_found:
+        metrics.child(metrics.stale, spec.name).inc(n_found)
+    return values, status, np.array([_STALE if stale else _PRESENT], dtype=np.int8), raw
+
 
 def view_matrix(
     spec: ViewSpec, entities: list[Entity], rows: Mapping[Entity, Any], now: float, metrics: FetchMetrics
@@ -26,6 +58,8 @@ def view_matrix(
     """One view for the rows' entities: values (float64, defaults where absent) and statuses
     [n, features], the status of each row as a whole [n], and the raw values per raw feature."""
     n, width = len(entities), len(spec.features)
+    if n == 1:
+        return _one_entity(spec, rows.get(entities[0], NOT_READ), now, metrics)
     unique = list(dict.fromkeys(entities))
     defaults = spec.defaults.astype(np.float64)
     u_values = np.tile(defaults, (len(unique), 1))
@@ -62,11 +96,11 @@ def view_matrix(
     n_degraded = len(not_read) * width
     n_missing = int(np.count_nonzero(u_status == FeatureStatus.MISSING))
     if n_missing:
-        metrics.defaults.labels(spec.name, "missing").inc(n_missing)
+        metrics.child(metrics.defaults, spec.name, "missing").inc(n_missing)
     if n_degraded:
-        metrics.defaults.labels(spec.name, "degraded").inc(n_degraded)
+        metrics.child(metrics.defaults, spec.name, "degraded").inc(n_degraded)
     if n_stale:
-        metrics.stale.labels(spec.name).inc(n_stale)
+        metrics.child(metrics.stale, spec.name).inc(n_stale)
     if len(unique) == n:
         return u_values, u_status, u_row, raw  # the usual case: no duplicate entities, rows already in order
     position = {entity: k for k, entity in enumerate(unique)}

@@ -291,9 +291,9 @@ class FeatureFetcher:
                         got[entity] = row
                 if got:
                     hits += len(got)
-                    self.metrics.cache_hits.labels(spec.name).inc(len(got))
+                    self.metrics.child(self.metrics.cache_hits, spec.name).inc(len(got))
                 if missed:
-                    self.metrics.cache_misses.labels(spec.name).inc(len(missed))
+                    self.metrics.child(self.metrics.cache_misses, spec.name).inc(len(missed))
             else:
                 missed = unique
             found[spec.name] = got
@@ -321,8 +321,8 @@ class FeatureFetcher:
         values, status = assemble(plan, columns, n, entities, found, self.metrics)
         degraded = reason is not None
         total = time.perf_counter() - start
-        self.metrics.fetch_seconds.labels(service).observe(total)
-        self.metrics.fetches.labels(service, "degraded" if degraded else "ok").inc()
+        self.metrics.child(self.metrics.fetch_seconds, service).observe(total)
+        self.metrics.child(self.metrics.fetches, service, "degraded" if degraded else "ok").inc()
         return FeatureResult(
             service=service,
             feature_names=plan.feature_names,
