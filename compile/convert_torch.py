@@ -159,13 +159,22 @@ def _argmax(path: Path, images: np.ndarray) -> np.ndarray:
 
 
 def quantize_int8(fp32: Path, out: Path, calibration: np.ndarray) -> list[str]:
-    """Static INT8 (QDQ, signed int8 weights and activations, min/max calibration) of an fp32 graph.
+    """Static INT8 (QDQ, uint8 activations and int8 weights, min/max calibration) of an fp32 graph.
 
-    Weights use 7 of their 8 bits (`reduce_range`): on x86 CPUs without VNNI the u8s8 kernels
-    saturate 8-bit products, which cost the demo CNN 21 points of top-class agreement per-channel
-    (76% vs 99% with reduce_range, measured). Per-channel weight scales usually keep more accuracy
-    for convolutions, not always for small layers: both are built and the one that agrees more with
-    fp32 on the calibration images is kept (per-channel on a tie)."""
+    What decides the speed here (ORT profiler and side-by-side timings on the demo CNNs, benchmarks/results/vision.md):
+    - uint8 activations (the u8s8 kernels): with int8 activations ONNX Runtime left 7 of the residual
+      network's 10 convolutions in fp32 between Q/DQ pairs (0.5x of fp32); with uint8 all 9 deep ones and
+      the residual Adds run quantized.
+    - The preprocessing (Cast, layout, scale/normalize) stays fp32: quantized it became QLinearMul/QLinearAdd.
+    - The stem stays fp32: a convolution reading the image with fewer than MIN_INT8_CONV_DEPTH multiply-adds
+      per output (1 x 3 x 3 = 9 on the digits) ran 4.7x slower as QLinearConv than as fp32 (28 vs 6 µs at batch 1),
+      together with its Relu/MaxPool. Its Relu -> MaxPool is reordered to MaxPool -> Relu (the same values:
+      max commutes with a monotonic function) so the first QuantizeLinear follows the Relu: after a MaxPool,
+      ONNX Runtime's QDQPropagationTransformer moves it ahead of the pool, which then runs as an NCHW uint8
+      MaxPool 8x slower than fp32 (24 vs 3 µs at batch 1, 1574 vs 43 µs at batch 32).
+    Weights use 7 of their 8 bits (`reduce_range`): on x86 CPUs without VNNI the u8s8 kernels saturate 8-bit
+    products. Per-channel weight scales usually keep more accuracy, not always for small layers: both are built
+    and the one that agrees more with fp32 on the calibration images is kept (per-channel on a tie)."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -175,7 +184,8 @@ def quantize_int8(fp32: Path, out: Path, calibration: np.ndarray) -> list[str]:
     except Exception:  # noqa: BLE001 - pre-processing is an optimization; quantize the graph as it is
         shutil.copy2(fp32, prepared)
     reference = _argmax(fp32, calibration)
-    excluded = _shallow_convs(prepared)
+    preprocessing, stem = _fp32_regions(prepared)
+    excluded = preprocessing + stem
     tried: dict[bool, tuple[float, Path]] = {}
     for per_channel in (True, False):
         path = out.with_name(f"int8-{'channel' if per_channel else 'tensor'}.onnx")
@@ -186,7 +196,7 @@ def quantize_int8(fp32: Path, out: Path, calibration: np.ndarray) -> list[str]:
             quant_format=QuantFormat.QDQ,
             per_channel=per_channel,
             reduce_range=True,
-            activation_type=QuantType.QInt8,
+            activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
             calibrate_method=CalibrationMethod.MinMax,
             nodes_to_exclude=excluded,
@@ -194,31 +204,72 @@ def quantize_int8(fp32: Path, out: Path, calibration: np.ndarray) -> list[str]:
         tried[per_channel] = (float(np.mean(_argmax(path, calibration) == reference)), path)
     best = max(tried, key=lambda k: (tried[k][0], k))
     shutil.copy2(tried[best][1], out)
+    stem_convs = [n for n in stem if n.endswith("Conv")]
     return [
-        f"static INT8 QDQ (7-bit weights) calibrated on {len(calibration)} images; {'per-channel' if best else 'per-tensor'} weight scales kept "
-        f"(argmax agreement with fp32 on the calibration images: per-channel {tried[True][0]:.2%}, per-tensor {tried[False][0]:.2%})"
-        + (f"; kept in fp32: {len(excluded)} conv(s) with fewer than {MIN_INT8_CONV_DEPTH} multiply-adds per output ({', '.join(excluded)})" if excluded else "")
+        f"static INT8 QDQ (uint8 activations, 7-bit int8 weights) calibrated on {len(calibration)} images; {'per-channel' if best else 'per-tensor'} weight scales kept "
+        f"(argmax agreement with fp32 on the calibration images: per-channel {tried[True][0]:.2%}, per-tensor {tried[False][0]:.2%}); "
+        f"kept in fp32: the preprocessing ({len(preprocessing)} nodes)"
+        + (f" and the stem ({', '.join(stem_convs)}: fewer than {MIN_INT8_CONV_DEPTH} multiply-adds per output, with its {len(stem) - len(stem_convs)} activation/pool node(s))" if stem else "")
     ]
 
 
-# A convolution whose output values each need fewer multiply-adds than this (C_in x kH x kW) stays fp32:
-# the first conv of the demo CNN (1 x 3 x 3 = 9) ran 4x slower as QLinearConv than as fp32 (79 vs 20 µs at
-# batch 1, ORT profiler, AVX2 without VNNI) while the deeper ones ran 20-35% faster.
+# A convolution reading the image whose outputs each need fewer multiply-adds than this (C_in x kH x kW)
+# stays fp32: the digits CNNs' first conv (1 x 3 x 3 = 9) ran 4.7x slower as QLinearConv than as fp32
+# (28 vs 6 µs at batch 1, 765 vs 104 µs at batch 32; ORT profiler, AVX512-VNNI) while the deeper ones ran 2-3x faster.
 MIN_INT8_CONV_DEPTH = 32
+_ELEMENTWISE = {"Cast", "Transpose", "Mul", "Add", "Sub", "Div", "Identity"}
+_STEM_FOLLOWERS = {"Relu", "MaxPool", "Clip", "AveragePool", "BatchNormalization"}
 
 
-def _shallow_convs(path: Path) -> list[str]:
+def _fp32_regions(path: Path) -> tuple[list[str], list[str]]:
+    """The preprocessing nodes (the elementwise chain from the image input) and the stem (shallow convs reading
+    the preprocessed image, with the Relu/pool nodes that follow each); rewrites `path` so that in the stem a
+    Relu -> MaxPool pair runs MaxPool -> Relu (see quantize_int8)."""
     import onnx
 
     model = onnx.load(str(path))
-    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
-    out = []
-    for node in model.graph.node:
-        if node.op_type == "Conv" and len(node.input) > 1 and node.input[1] in shapes:
-            _, cin, *kernel = shapes[node.input[1]]
-            if cin * int(np.prod(kernel)) < MIN_INT8_CONV_DEPTH:
-                out.append(node.name)
-    return out
+    graph = model.graph
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    preprocessing, frontier = [], [i.name for i in graph.input]
+    while len(frontier) == 1 and len(consumers.get(frontier[0], [])) == 1 and consumers[frontier[0]][0].op_type in _ELEMENTWISE:
+        node = consumers[frontier[0]][0]
+        preprocessing.append(node.name)
+        frontier = list(node.output)
+    weights = {t.name: list(t.dims) for t in graph.initializer}
+    stem = []
+    for node in consumers.get(frontier[0], []) if len(frontier) == 1 else []:
+        if node.op_type != "Conv" or len(node.input) < 2 or node.input[1] not in weights:
+            continue
+        _, cin, *kernel = weights[node.input[1]]
+        if cin * int(np.prod(kernel)) >= MIN_INT8_CONV_DEPTH:
+            continue
+        chain = [node]
+        while len(consumers.get(chain[-1].output[0], [])) == 1 and consumers[chain[-1].output[0]][0].op_type in _STEM_FOLLOWERS:
+            chain.append(consumers[chain[-1].output[0]][0])
+        if len(chain) == 1 and [c.op_type for c in consumers.get(node.output[0], [])].count("Relu") == 1:
+            chain += [c for c in consumers[node.output[0]] if c.op_type == "Relu"]  # a Relu feeding several nodes (a residual stem)
+        for a, b in zip(chain, chain[1:]):
+            if a.op_type == "Relu" and b.op_type == "MaxPool" and len(consumers.get(a.output[0], [])) == 1:
+                _swap(graph, a, b)
+        stem += [n.name for n in chain]
+    onnx.save(model, str(path))
+    return preprocessing, stem
+
+
+def _swap(graph, relu, pool) -> None:  # noqa: ANN001 - onnx GraphProto and NodeProtos
+    """x -> Relu -> m -> MaxPool -> y  becomes  x -> MaxPool -> m -> Relu -> y (same values)."""
+    x, mid, y = relu.input[0], relu.output[0], pool.output[0]
+    pool.input[0], pool.output[0], relu.input[0], relu.output[0] = x, mid, mid, y
+    nodes = list(graph.node)
+    i, j = nodes.index(relu), nodes.index(pool)
+    nodes[i], nodes[j] = pool, relu
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    for info in [v for v in graph.value_info if v.name == mid]:  # its shape changed (pooled)
+        graph.value_info.remove(info)
 
 
 def convert_onnx_int8(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
