@@ -548,7 +548,7 @@ def compile_model(
         art = chosen.artifact
         cpus = os.cpu_count() or 1
         lat = {int(b): v for b, v in selected.latency_us.items()}
-        settings = emit.derive_settings(spec, lat, selected.threads, cpus, gpu=art.backend == "tensorrt", profile=profile)
+        settings = emit.derive_settings(spec, lat, selected.threads, cpus, gpu=art.backend == "tensorrt" or art.format == "onnx-tensorrt", profile=profile)
         existing = versions(dest)
         version = max(existing, default=0) + 1
         folder = staging / "repository" / spec.name
