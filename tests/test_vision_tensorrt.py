@@ -37,14 +37,20 @@ def _spec_dict(tmp_path: Path, **extra) -> dict:
     }
 
 
-def test_tensorrt_plan_config_validates_against_tritons_schema(tmp_path) -> None:
+def _emitted(tmp_path, art: Artifact, kind: str):
+    """The spec and settings, the config emit writes for `art` from them, its text, and Triton's own parse of it."""
     spec = parse_spec(_spec_dict(tmp_path), "tiny.yaml", tmp_path)
-    art = Artifact("tensorrt", "tensorrt", "tensorrt", "model.plan", tmp_path / "model.plan", exact=False)
-    settings = TritonSettings(max_batch_size=16, max_queue_delay_us=100, default_timeout_us=10000, max_queue_size=64, instance_count=1, instance_kind="KIND_GPU", threads=1, rules=[])
+    settings = TritonSettings(max_batch_size=16, max_queue_delay_us=100, default_timeout_us=10000, max_queue_size=64, instance_count=1, instance_kind=kind, threads=1, rules=[])
     cfg = emit.write_config(tmp_path / "tiny_cnn", emit.build_config(spec, art, settings, 4))
     text = (tmp_path / "tiny_cnn" / "config.pbtxt").read_text()
     parsed = load_config(tmp_path / "tiny_cnn" / "config.pbtxt")  # Triton's own model_config.proto
     assert parsed == cfg
+    return spec, settings, cfg, text, parsed
+
+
+def test_tensorrt_plan_config_validates_against_tritons_schema(tmp_path) -> None:
+    art = Artifact("tensorrt", "tensorrt", "tensorrt", "model.plan", tmp_path / "model.plan", exact=False)
+    _, _, cfg, text, parsed = _emitted(tmp_path, art, "KIND_GPU")
     assert parsed.platform == "tensorrt_plan" and parsed.backend == "" and parsed.default_model_filename == "model.plan"
     assert parsed.max_batch_size == 16
     (inp,) = parsed.input
@@ -58,13 +64,8 @@ def test_tensorrt_plan_config_validates_against_tritons_schema(tmp_path) -> None
 
 
 def test_onnx_tensorrt_accelerator_config_validates_against_tritons_schema(tmp_path) -> None:
-    spec = parse_spec(_spec_dict(tmp_path), "tiny.yaml", tmp_path)
     art = Artifact("onnx-tensorrt", "onnxruntime", "onnxruntime", "model.onnx", tmp_path / "model.onnx", exact=False)
-    settings = TritonSettings(max_batch_size=16, max_queue_delay_us=100, default_timeout_us=10000, max_queue_size=64, instance_count=1, instance_kind="KIND_CPU", threads=1, rules=[])
-    cfg = emit.write_config(tmp_path / "tiny_cnn", emit.build_config(spec, art, settings, 4))
-    text = (tmp_path / "tiny_cnn" / "config.pbtxt").read_text()
-    parsed = load_config(tmp_path / "tiny_cnn" / "config.pbtxt")  # Triton's own model_config.proto
-    assert parsed == cfg
+    spec, settings, cfg, text, parsed = _emitted(tmp_path, art, "KIND_CPU")
     assert parsed.backend == "onnxruntime" and parsed.platform == "" and parsed.default_model_filename == "model.onnx"
     # The accelerator applies to GPU instances only: the group is KIND_GPU whatever the CPU-side settings said.
     assert [g.kind for g in parsed.instance_group] == [parsed.instance_group[0].KIND_GPU]
