@@ -41,6 +41,25 @@ def runtime_source() -> Path:
     return runtime_files()[0]
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 with RENAME_EXCHANGE); False where the C library,
+    the kernel or the filesystem cannot, so the caller falls back to renames."""
+    import ctypes
+    import errno
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), f"{a} <-> {b}")
+
+
 def render_model(model_dir: Path, out_root: Path) -> str | None:
     """Write the local view of one model folder into `out_root/<name>`; return why it cannot be served locally, or None.
 
@@ -87,13 +106,20 @@ def render_model(model_dir: Path, out_root: Path) -> str | None:
         if (model_dir / "warmup").is_dir():  # model_warmup input_data_file samples
             os.symlink((model_dir / "warmup").resolve(), staged / "warmup")
         write_config(config, staged / "config.pbtxt")
-        # Swap the rendered folder in by renames: Triton never reads a half-written model.
+        # Swap the rendered folder in: Triton never reads a half-written model, and never finds the
+        # folder missing. Two renames left a moment without one; a load Triton started then (a
+        # client's hot-swap request racing the watcher) found model.py gone, its stub failed, and
+        # the load hung (seen in CI). The previous render is kept until the next one: a load in
+        # progress may still be reading it.
+        previous = out_root.parent / f"{out_root.name}.previous" / name  # beside the view: Triton never lists it
         if target.exists():
-            old = out_root / f".{name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(target, old)
-            os.rename(staged, target)
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(previous, ignore_errors=True)
+            previous.parent.mkdir(exist_ok=True)
+            if _exchange(staged, target):
+                os.rename(staged, previous)
+            else:  # a filesystem without RENAME_EXCHANGE: two renames, the brief gap as before
+                os.rename(target, previous)
+                os.rename(staged, target)
         else:
             os.rename(staged, target)
         return None

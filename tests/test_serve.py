@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import platform
 import subprocess
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from skl2onnx import to_onnx
 
 from scorestack.errors import ConfigError, PlatformError, ServerError
 from scorestack.serve import LocalTriton, build_local_view, check_platform, ensure_server_environment
+from scorestack.serve.view import render_model
 from scorestack.triton_config import load_config, parse_config
 
 N_FEATURES = 30
@@ -180,6 +182,38 @@ def test_misspelled_field_names_the_field(tmp_path):
         build_local_view(tmp_path, tmp_path / "view", strict=True)
     view = build_local_view(tmp_path, tmp_path / "view2")
     assert view.models == () and "max_batch_sise" in view.skipped["m"]
+
+
+def test_a_re_render_never_leaves_the_model_folder_missing(tmp_path):
+    """Triton may read the local view while the watcher re-renders a model (a client's hot-swap
+    racing the watcher; seen in CI: the stub found model.py gone and the load hung). The rendered
+    folder is swapped in atomically, so a reader polling it never finds it missing, and the previous
+    render is kept beside the view for a load still reading it."""
+    model = tmp_path / "repo" / "gb"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(CONFIG)
+    (model / "1" / "model.onnx").write_bytes(b"not read by the view")
+    view = tmp_path / "view"
+    view.mkdir()
+    assert render_model(model, view) is None
+    missing, stop = [], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            if not (view / "gb" / "1" / "model.py").exists():
+                missing.append(1)
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        for _ in range(300):
+            assert render_model(model, view) is None
+    finally:
+        stop.set()
+        reader.join()
+    assert not missing, f"the model folder was missing {len(missing)} times"
+    assert (tmp_path / "view.previous" / "gb" / "1" / "model.py").exists()
+    assert sorted(p.name for p in view.iterdir()) == ["gb"]  # nothing else for Triton to list
 
 
 def test_bad_enum_and_wrong_type_are_named():
