@@ -391,11 +391,11 @@ async def open_loop(
             close_window(k, time.monotonic())
 
     ticks = loop.create_task(ticker())
-    sent = unsent = mine = 0
+    sent = unsent = 0
+    mine = len(range(offset, scheduled, stride))  # this client's share of the schedule
     burst = 0
     t_end = t0 + duration_s
     for i in range(offset, scheduled, stride):
-        mine += 1
         due = t0 + i / rate
         now = time.monotonic()
         if due > now:
@@ -413,7 +413,6 @@ async def open_loop(
             # due requests were never started.
             slots.release()
             unsent = len(range(i, scheduled, stride))
-            mine += unsent - 1
             break
         lag = started - due
         acc.sent += 1

@@ -8,6 +8,7 @@ hold symlinks to the repository's files, so the runtime checks the real bytes ag
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -41,15 +42,24 @@ def runtime_source() -> Path:
     return runtime_files()[0]
 
 
+@functools.cache
+def _renameat2():  # noqa: ANN202 - a ctypes function, looked up once per process
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths atomically (Linux renameat2 with RENAME_EXCHANGE); False where the C library,
     the kernel or the filesystem cannot, so the caller falls back to renames."""
     import ctypes
     import errno
 
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
+    renameat2 = _renameat2()
+    if renameat2 is None:
         return False
     at_fdcwd, rename_exchange = -100, 2
     if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
