@@ -1,9 +1,11 @@
 """The local view: a production model repository re-expressed for the local Triton.
 
 Each model keeps its name, tensors, max_batch_size, dynamic batching, instance groups, queue policy,
-version policy, response cache and warm-up; only the backend changes, to scorestack's model runtime
-in Triton's Python backend, which runs the same artifact (onnxruntime for .onnx). Version folders
-hold symlinks to the repository's files, so the runtime checks the real bytes against SHA256SUMS.
+response cache and warm-up, and serves the versions its version policy selects (named in a
+`specific` policy, see `_carry_dropped_versions`); only the backend changes, to scorestack's model
+runtime in Triton's Python backend, which runs the same artifact (onnxruntime for .onnx). Version
+folders hold symlinks to the repository's artifacts, so the runtime checks the real bytes against
+SHA256SUMS, and copies of the runtime's own two files (see `_link_version`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -113,6 +116,13 @@ def render_model(model_dir: Path, out_root: Path) -> str | None:
             params[rt.PARAM_ARTIFACT].string_value = artifact
             for version in versions:
                 _link_version(version, staged / version.name, artifact)
+            # The versions the production policy selects, named: the folders carried below are
+            # then never loaded, whatever the policy was.
+            selected = _selected_versions(config, versions)
+            config.version_policy.Clear()
+            config.version_policy.specific.versions.extend(selected)
+            if target.exists():
+                _carry_dropped_versions(target, staged)
         if (model_dir / "warmup").is_dir():  # model_warmup input_data_file samples
             os.symlink((model_dir / "warmup").resolve(), staged / "warmup")
         write_config(config, staged / "config.pbtxt")
@@ -137,12 +147,70 @@ def render_model(model_dir: Path, out_root: Path) -> str | None:
         shutil.rmtree(staged, ignore_errors=True)
 
 
+# How long a version folder the repository dropped stays in the view (see _carry_dropped_versions).
+DROPPED_VERSION_KEEP_S = 600.0
+_DROPPED_MARK = ".scorestack_dropped_at"
+
+
+def _selected_versions(config, versions: list[Path]) -> list[int]:  # noqa: ANN001 - a ModelConfig
+    """The versions Triton's policy selects among the repository's folders (Triton's default: the newest one)."""
+    numbers = sorted(int(v.name) for v in versions)
+    choice = config.version_policy.WhichOneof("policy_choice")
+    if choice == "all":
+        return numbers
+    if choice == "specific":
+        return sorted(int(v) for v in config.version_policy.specific.versions)
+    newest = int(config.version_policy.latest.num_versions or 1) if choice == "latest" else 1
+    return numbers[-newest:]
+
+
+def _carry_dropped_versions(current: Path, staged: Path) -> None:
+    """Copy into the new render, for DROPPED_VERSION_KEEP_S, the version folders of the current one
+    that the repository no longer has.
+
+    A load Triton started from the current render (a client's hot-swap request, racing the
+    watcher) has already chosen its version folders; it starts that version's Python stub a second
+    later. If the new render has dropped the folder by then, the stub finds no model.py and Triton's
+    load never returns (seen in CI: a compile with keep_versions 1 deleted version N as it
+    installed N+1). Kept, the folder holds the runtime (copied) and links to the deleted artifact:
+    that load fails at once, naming the missing file, the serving version stays, and the watcher's
+    load of the new render follows. The view's `specific` version policy keeps Triton from ever
+    selecting a carried folder on its own.
+    """
+    now = time.time()
+    for folder in current.iterdir():
+        if not (folder.is_dir() and folder.name.isdigit()) or (staged / folder.name).exists():
+            continue
+        mark = folder / _DROPPED_MARK
+        try:
+            dropped_at = float(mark.read_text()) if mark.exists() else now
+        except (OSError, ValueError):
+            dropped_at = now
+        if now - dropped_at <= DROPPED_VERSION_KEEP_S:
+            shutil.copytree(folder, staged / folder.name, symlinks=True)
+            (staged / folder.name / _DROPPED_MARK).write_text(repr(dropped_at))
+
+
 def _link_version(version: Path, vdir: Path, artifact: str) -> None:
-    """Symlink every file of a repository version; add the runtime where the repository has none (a hand-written repository)."""
+    """Symlink every file of a repository version, except the runtime's own files, which are copied;
+    add the runtime where the repository has none (a hand-written repository).
+
+    The runtime is copied because the view can outlive the version it renders: a compile with
+    `keep_versions` deletes the oldest version from the repository, and a load Triton starts before
+    the watcher re-renders (a client's hot-swap request) reloads the old render. With model.py a
+    dangling link, Triton's Python backend stub fails to pre-initialize and the load never returns
+    (seen in CI: a hot-swap waited 120 s). With the runtime copied, that load fails fast on the
+    missing artifact, the serving version stays, and the watcher's render loads the new one.
+    """
     vdir.mkdir()
     for item in version.iterdir():
-        if item.name != "__pycache__":
+        if item.name == "__pycache__":
+            continue
+        if item.name in rt.RUNTIME_FILES:
+            shutil.copyfile(item, vdir / item.name)
+        else:
             os.symlink(item.resolve(), vdir / item.name)
+    (vdir / rt.ORIGIN).write_text(str(version.resolve()))  # the runtime names the repository's files in its errors
     if not (vdir / artifact).exists():
         raise ConfigError(f"{version}: artifact {artifact!r} named by config.pbtxt is missing")
     for src in runtime_files():

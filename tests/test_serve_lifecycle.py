@@ -155,6 +155,68 @@ def test_a_version_installed_while_another_loads_is_loaded_next(compiled_demo, s
         np.testing.assert_allclose(_infer(server.grpc_url, "fraud_xgb", X, "probability")[:, 0], _source_fraud(models_dir, X), atol=1e-5)
 
 
+
+def test_a_load_of_a_render_whose_version_the_repository_dropped_fails_fast_and_the_watcher_serves_the_new_one(compiled_demo, server_environment, tmp_path):
+    """The hot-swap hang seen in CI (twice, in different tests): a compile with `keep_versions`
+    installs version N+1 and deletes N; the client's load request reaches Triton before the watcher
+    re-renders, so Triton reloads the old render, whose links into the deleted version dangle. With
+    model.py a dangling link, the Python backend stub failed to pre-initialize and the load never
+    returned. Now the load fails at once with the missing file named, version N keeps serving, and
+    the next look loads N+1. The server, the view, the deletion and the load request are real; the
+    watcher is off so the order is the one that failed."""
+    models_dir, demo_repo, _, _ = compiled_demo
+    repo = tmp_path / "repo"
+    model = _copy_model(demo_repo, "fraud_xgb", repo)
+    old = _version_dir(model)
+    new = model / str(int(old.name) + 1)
+    X = _holdout(models_dir, "fraud_xgb")[:3]
+    want = _source_fraud(models_dir, X)
+    with LocalTriton(repo, server_env=server_environment) as server:
+        staged = tmp_path / "staged"
+        shutil.copytree(old, staged)
+        os.rename(staged, new)  # what a compile with keep_versions: 1 does: the new version in, the old one out
+        shutil.rmtree(old)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            with pytest.raises(grpcclient.InferenceServerException) as failed:
+                client.load_model("fraud_xgb", client_timeout=90)
+            assert "DEADLINE" not in str(failed.value) and "SHA256SUMS is missing" in str(failed.value), failed.value
+            assert str(old / "SHA256SUMS") in str(failed.value), failed.value  # the repository's path, which a user fixes
+            assert client.is_model_ready("fraud_xgb", old.name)  # the serving version stays
+            np.testing.assert_allclose(_infer(server.grpc_url, "fraud_xgb", X, "probability")[:, 0], want, atol=1e-5)
+            st = server.sync()["fraud_xgb"]
+            assert st.ready and st.versions == (new.name,), st
+            assert client.is_model_ready("fraud_xgb", new.name)
+
+            # The other order (the CI failure's): the client's load has chosen the version the
+            # repository just dropped and is starting its stub when the watcher's render drops the
+            # folder. The render keeps it (runtime copied, artifact links dangling) for a while.
+            newer = model / str(int(new.name) + 1)
+            shutil.copytree(new, staged)
+            os.rename(staged, newer)
+            shutil.rmtree(new)
+            outcome: list[object] = []
+
+            def client_load() -> None:
+                try:
+                    client.load_model("fraud_xgb", client_timeout=90)
+                    outcome.append("loaded")
+                except grpcclient.InferenceServerException as exc:
+                    outcome.append(exc)
+
+            loader = threading.Thread(target=client_load)
+            loader.start()
+            time.sleep(0.3)  # Triton has polled the old render and is creating the instances
+            st = server.sync()["fraud_xgb"]
+            loader.join(120)
+            assert outcome and "DEADLINE" not in str(outcome[0]), outcome  # it returned, either way
+            assert (server.view.root / "fraud_xgb" / new.name / "model.py").is_file()  # the dropped folder is kept
+            assert st.ready and st.versions == (newer.name,), st
+        finally:
+            client.close()
+        np.testing.assert_allclose(_infer(server.grpc_url, "fraud_xgb", X, "probability")[:, 0], want, atol=1e-5)
+
+
 # --- the server dies with its supervisor ------------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ DISPATCH = "dispatch"
 # Files the compiler writes into every version folder besides the artifact.
 RUNTIME_FILES = ("model.py", "scorestack_runtime.py")
 MANIFEST = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks it by hand too
+ORIGIN = ".scorestack_origin"  # in a local view's version folder: the repository version folder it renders
 
 # Triton data types (config JSON spelling) -> numpy.
 _DTYPES = {
@@ -93,21 +94,27 @@ def read_manifest(version_dir):
 
 def check_integrity(model_name, version_dir):
     """Raise IntegrityError unless every file in SHA256SUMS exists and matches its digest."""
+    origin = None
+    if os.path.exists(os.path.join(version_dir, ORIGIN)):
+        with open(os.path.join(version_dir, ORIGIN)) as fh:
+            origin = fh.read().strip()
     manifest = os.path.join(version_dir, MANIFEST)
     if not os.path.exists(manifest):
         raise IntegrityError(
-            f"model {model_name}: {manifest} is missing, so the artifact cannot be checked; "
+            f"model {model_name}: {os.path.join(origin or version_dir, MANIFEST)} is missing, so the artifact cannot be checked; "
             "recompile the model (scorestack compile) or restore the version folder"
         )
     for name, want in read_manifest(version_dir).items():
-        # Real paths in messages: the local view links to the repository's files, which is what a user fixes.
-        path = os.path.realpath(os.path.join(version_dir, name))
+        path = os.path.join(version_dir, name)
+        # Messages name the repository's file, which is what a user fixes: the local view links to
+        # it (or, for the runtime's own files, copied it from there).
+        shown = os.path.join(origin, name) if origin else os.path.realpath(path)
         if not os.path.exists(path):
-            raise IntegrityError(f"model {model_name}: {path} listed in {MANIFEST} is missing; recompile or restore it")
+            raise IntegrityError(f"model {model_name}: {shown} listed in {MANIFEST} is missing; recompile or restore it")
         got = file_sha256(path)
         if got != want:
             raise IntegrityError(
-                f"model {model_name}: {path} is corrupted or was modified after compile "
+                f"model {model_name}: {shown} is corrupted or was modified after compile "
                 f"(sha256 {got[:16]}…, compiled as {want[:16]}…); refusing to load it. Recompile the model or restore the file"
             )
 
