@@ -117,6 +117,18 @@ def convert_sklearn_tl2cgen(source: SourceModel, workdir: Path, ctx: ConvertCont
     return compile_tl2cgen(model, workdir, ctx)
 
 
+def convert_sklearn_trees(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+    """scikit-learn boosted trees -> Treelite -> scorestack's branch-free tree kernel (compile/tree_kernel.py)."""
+    import treelite
+
+    from .tree_kernel import compile_tree_kernel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = treelite.sklearn.import_model(source.model)
+    return compile_tree_kernel(model, workdir, ctx)
+
+
 def _max_depth(model: Any) -> int | None:
     est = _final_estimator(model)
     depths = []
@@ -138,6 +150,7 @@ def convert_sklearn_hummingbird(source: SourceModel, workdir: Path, ctx: Convert
 register_converter("sklearn-trees", "onnx", convert_sklearn_onnx)
 register_converter("sklearn-trees", "native", convert_sklearn_native)
 register_converter("sklearn-trees", "tl2cgen", convert_sklearn_tl2cgen)
+register_converter("sklearn-trees", "trees", convert_sklearn_trees)
 register_converter("sklearn-trees", "hummingbird", convert_sklearn_hummingbird)
 register_converter("sklearn", "onnx", convert_sklearn_onnx)
 register_converter("sklearn", "native", convert_sklearn_native)

@@ -88,6 +88,15 @@ def convert_xgboost_tl2cgen(source: SourceModel, workdir: Path, ctx: ConvertCont
     return compile_tl2cgen(model, workdir, ctx)
 
 
+def convert_xgboost_trees(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+    """XGBoost -> Treelite -> scorestack's branch-free tree kernel (compile/tree_kernel.py)."""
+    import treelite
+
+    from .tree_kernel import compile_tree_kernel
+
+    return compile_tree_kernel(treelite.frontend.from_xgboost(_anonymous(source.model)), workdir, ctx)
+
+
 @contextlib.contextmanager
 def _plain_base_score() -> Iterator[None]:
     """hummingbird parses base_score with float(); XGBoost 3 writes '[0.5]'. Unwrap it while converting."""
@@ -137,4 +146,5 @@ def convert_xgboost_hummingbird(source: SourceModel, workdir: Path, ctx: Convert
 register_converter("xgboost", "onnx", convert_xgboost_onnx)
 register_converter("xgboost", "native", convert_xgboost_native)
 register_converter("xgboost", "tl2cgen", convert_xgboost_tl2cgen)
+register_converter("xgboost", "trees", convert_xgboost_trees)
 register_converter("xgboost", "hummingbird", convert_xgboost_hummingbird)

@@ -29,7 +29,7 @@ from scorestack.compile.emit import check_artifact_name
 from scorestack.errors import VerificationError
 from scorestack.serve import LocalTriton
 
-FORMATS = ("onnx", "native", "tl2cgen", "hummingbird")
+FORMATS = ("onnx", "native", "tl2cgen", "trees", "hummingbird")
 N_FEATURES = 6
 TOLERANCE = 1e-5
 
@@ -169,6 +169,15 @@ def test_every_format_either_serves_exactly_or_is_refused_with_a_reason(matrix, 
     for tree in ("xgb_binary", "xgb_multi", "xgb_reg", "xgb_rank", "skl_forest_binary", "skl_gbr", "hgb_binary"):
         assert f"{tree}__tl2cgen" in compiled, f"{tree}: tl2cgen refused: {refused.get(f'{tree}__tl2cgen')}"
     assert "no tl2cgen converter" in str(refused["linear_reg__tl2cgen"])
+    # scorestack's tree kernel serves every boosted ensemble of one output, and names why not the others.
+    for tree in ("xgb_binary", "xgb_reg", "xgb_rank", "skl_gbr"):
+        assert f"{tree}__trees" in compiled, f"{tree}: trees refused: {refused.get(f'{tree}__trees')}"
+    # HistGradientBoosting grows leaf-wise (31 leaves by default): its trees can be deeper than the
+    # kernel pads (the matrix's reached 11); served when they are not, refused by depth when they are.
+    assert "hgb_binary__trees" in compiled or "> 10: padded to complete trees" in str(refused["hgb_binary__trees"])
+    assert "one output per row" in str(refused["xgb_multi__trees"])
+    assert any(why in str(refused["skl_forest_binary__trees"]) for why in ("averaged trees", "one output per row")), refused["skl_forest_binary__trees"]
+    assert "no trees converter" in str(refused["linear_reg__trees"])
 
     by_source = {s.name: s for s in sources}
     with LocalTriton(repo, server_env=server_environment, ready_timeout_s=600) as server:

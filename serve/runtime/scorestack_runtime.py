@@ -217,7 +217,8 @@ class SklearnRunner:
 class TL2cgenRunner:
     """A TL2cgen shared library: one ctypes call per batch into the function the compiler added
     (`scorestack_predict_batch`, compile/_tree_commons.py); a library without it (compiled before)
-    goes through tl2cgen.Predictor."""
+    goes through tl2cgen.Predictor. scorestack's own tree kernel (format `trees`,
+    compile/tree_kernel.py) speaks the same three-function ABI and is served by this runner too."""
 
     # Below this many rows a thread pool costs more than it saves.
     PARALLEL_MIN_ROWS = 256
