@@ -24,10 +24,9 @@ import json
 import os
 import platform
 import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import yaml
@@ -37,7 +36,7 @@ from scorestack.demo.train import train_demo_models
 from scorestack.compile.registry import Artifact
 from scorestack.paths import workspace
 from scorestack.serve.runtime import scorestack_runtime as rt
-from scorestack.serve.runtime.worker import distinct_batches
+from scorestack.serve.runtime.worker import distinct_batches, median_us
 from scorestack.serve.worker import RuntimeWorker
 from scorestack.triton_config import load_config
 
@@ -67,19 +66,6 @@ def _native_config(served: dict[str, Any], threads: int) -> dict[str, Any]:
     params[rt.PARAM_ARTIFACT] = {"string_value": "model.json"}
     params[rt.PARAM_THREADS] = {"string_value": str(threads)}
     return cfg
-
-
-def _median_us(fn: Callable[[np.ndarray], Any], batches: list[np.ndarray], budget_s: float = 0.15, max_calls: int = 2000) -> float:
-    """Median µs of `fn` over calls on `batches` in turn (distinct rows, as the worker times them)."""
-    fn(batches[0])
-    samples = []
-    deadline = time.perf_counter() + budget_s
-    while len(samples) < 5 or (len(samples) < max_calls and time.perf_counter() < deadline):
-        x = batches[len(samples) % len(batches)]
-        t0 = time.perf_counter_ns()
-        fn(x)
-        samples.append((time.perf_counter_ns() - t0) / 1000.0)
-    return float(np.median(samples))
 
 
 def bench_model(name: str, models: Path, tmp: Path, rounds: int, max_batch: int) -> dict[str, Any]:
@@ -138,7 +124,7 @@ def bench_model(name: str, models: Path, tmp: Path, rounds: int, max_batch: int)
                     table[k][b].append(v)
             for k, fn in in_process.items():
                 for b in BATCHES:
-                    table[k][b].append(_median_us(fn, distinct_batches(X, b)))
+                    table[k][b].append(median_us(fn, distinct_batches(X, b)))
     load_after = os.getloadavg()
     med = {k: {b: float(np.median(v)) for b, v in per.items()} for k, per in table.items()}
     served, native = med[keys["served"]], med[inplace_label]

@@ -83,11 +83,16 @@ def compile_tl2cgen(treelite_model: Any, workdir: Path, ctx: ConvertContext, not
     path = workdir / TL2CGEN_ARTIFACT
     shutil.move(str(built), path)
     shutil.rmtree(src, ignore_errors=True)
+    return batch_library_artifact("tl2cgen", path, ctx, notes)
+
+
+def batch_library_artifact(fmt: str, path: Path, ctx: ConvertContext, notes: list[str] | None = None) -> Artifact:
+    """The Artifact of a shared library with the batch entry point (TL2cgen's, or the tree kernel's),
+    served by the runtime's ctypes runner; its output column read from a run on sample rows."""
     from scorestack.serve.runtime.scorestack_runtime import TL2cgenRunner
 
     raw = np.asarray(TL2cgenRunner(str(path), 1, {}, ["y"]).run([("x", np.ascontiguousarray(ctx.sample[:4], dtype=np.float32))])[0])
-    column = output_column(ctx.task, raw)
-    return Artifact("tl2cgen", "tl2cgen", "python", TL2CGEN_ARTIFACT, path, output_column=column, notes=list(notes or []))
+    return Artifact(fmt, "tl2cgen", "python", path.name, path, output_column=output_column(ctx.task, raw), notes=list(notes or []))
 
 
 def hummingbird_available() -> bool:

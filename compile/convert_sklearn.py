@@ -107,26 +107,24 @@ def convert_sklearn_native(source: SourceModel, workdir: Path, ctx: ConvertConte
     )
 
 
-def convert_sklearn_tl2cgen(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
-    """scikit-learn tree ensemble -> Treelite -> C -> shared library (TL2cgen)."""
+def _treelite(source: SourceModel) -> Any:
     import treelite
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = treelite.sklearn.import_model(source.model)
-    return compile_tl2cgen(model, workdir, ctx)
+        return treelite.sklearn.import_model(source.model)
+
+
+def convert_sklearn_tl2cgen(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+    """scikit-learn tree ensemble -> Treelite -> C -> shared library (TL2cgen)."""
+    return compile_tl2cgen(_treelite(source), workdir, ctx)
 
 
 def convert_sklearn_trees(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
     """scikit-learn boosted trees -> Treelite -> scorestack's branch-free tree kernel (compile/tree_kernel.py)."""
-    import treelite
-
     from .tree_kernel import compile_tree_kernel
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = treelite.sklearn.import_model(source.model)
-    return compile_tree_kernel(model, workdir, ctx)
+    return compile_tree_kernel(_treelite(source), workdir, ctx)
 
 
 def _max_depth(model: Any) -> int | None:

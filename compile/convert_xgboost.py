@@ -80,21 +80,22 @@ def convert_xgboost_native(source: SourceModel, workdir: Path, ctx: ConvertConte
     return Artifact("native", "xgboost", "python", "model.json", path)
 
 
-def convert_xgboost_tl2cgen(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
-    """XGBoost -> Treelite -> C -> shared library (TL2cgen, machine's gcc)."""
+def _treelite(source: SourceModel) -> Any:
     import treelite
 
-    model = treelite.frontend.from_xgboost(_anonymous(source.model))
-    return compile_tl2cgen(model, workdir, ctx)
+    return treelite.frontend.from_xgboost(_anonymous(source.model))
+
+
+def convert_xgboost_tl2cgen(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+    """XGBoost -> Treelite -> C -> shared library (TL2cgen, machine's gcc)."""
+    return compile_tl2cgen(_treelite(source), workdir, ctx)
 
 
 def convert_xgboost_trees(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
     """XGBoost -> Treelite -> scorestack's branch-free tree kernel (compile/tree_kernel.py)."""
-    import treelite
-
     from .tree_kernel import compile_tree_kernel
 
-    return compile_tree_kernel(treelite.frontend.from_xgboost(_anonymous(source.model)), workdir, ctx)
+    return compile_tree_kernel(_treelite(source), workdir, ctx)
 
 
 @contextlib.contextmanager

@@ -2,8 +2,8 @@
 
 TL2cgen turns every split into an `if`: at batch 1 nothing is faster, but on rows the branch
 predictor has not seen, a 300-tree depth-6 model mispredicts about every other of its ~1800
-branches per row, and its rate (~8 µs a row on a synthetic 300-tree depth-6 model, 510 µs for 64
-distinct rows) is no better at 64 rows than at 1. This kernel pads every tree
+branches per row: on the demo fraud model (300 trees) TL2cgen takes 377 µs for 64 distinct rows,
+5.9 µs a row, against 10 µs for one row (benchmarks/results/tree_kernel.md). This kernel pads every tree
 to a complete tree of the ensemble's depth D (a leaf above depth D is copied into both children),
 so a row's path is exactly D steps of `idx = 2*idx + 1 + (x[f] >= t)` with no branch to mispredict,
 and walks each tree over a block of rows while the tree's arrays sit in L1 (tree-major).
@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from .registry import Artifact, ConvertContext, Skip, output_column
+from .registry import Artifact, ConvertContext, Skip
 
 TREE_KERNEL_ARTIFACT = "model-trees.so"  # like TL2CGEN_ARTIFACT: no `import` can resolve it
 MAX_DEPTH = 10  # 2^10 leaves a tree after padding: deeper ensembles stay with the other formats
 ROW_BLOCK = 64
-INTERLEAVE = 8  # rows walked through a tree together (against XGBoost in the same runs: 3.5x vs 3.0x for 4 at 64 rows, 1.8x vs 1.4x at 1024)
+INTERLEAVE = 8  # rows walked through a tree together (ad-hoc runs on a synthetic 300-tree model, against XGBoost in the same run: 3.5x vs 3.0x for 4 at 64 rows, 1.8x vs 1.4x at 1024)
 
 
 _OPERATORS = {2: "<", 3: "<=", 4: ">", 5: ">="}  # treelite's Operator enum (kLT, kLE, kGT, kGE)
@@ -251,8 +251,6 @@ def build_kernel(model: dict[str, Any], out: Path) -> Path:
 
 def compile_tree_kernel(treelite_model: Any, workdir: Path, ctx: ConvertContext, notes: list[str] | None = None) -> Artifact:
     """The tree-kernel candidate of a Treelite model (its format `trees`, served by the runtime's ctypes batch runner)."""
-    path = build_kernel(model_dict(treelite_model), workdir / TREE_KERNEL_ARTIFACT)
-    from scorestack.serve.runtime.scorestack_runtime import TL2cgenRunner
+    from ._tree_commons import batch_library_artifact
 
-    raw = np.asarray(TL2cgenRunner(str(path), 1, {}, ["y"]).run([("x", np.ascontiguousarray(ctx.sample[:4], dtype=np.float32))])[0])
-    return Artifact("trees", "tl2cgen", "python", TREE_KERNEL_ARTIFACT, path, output_column=output_column(ctx.task, raw), notes=list(notes or []))
+    return batch_library_artifact("trees", build_kernel(model_dict(treelite_model), workdir / TREE_KERNEL_ARTIFACT), ctx, notes)

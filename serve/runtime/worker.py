@@ -139,13 +139,28 @@ def distinct_batches(X, b, limit=64):
     """Up to `limit` batches of `b` different held-out rows, to be timed in turn.
 
     Timing one batch over and over lets the CPU's branch predictor learn its rows' paths through
-    the trees: a branchy format (TL2cgen's if-chains, XGBoost's traversal) then measured up to 1.4x
-    faster at small batches than on rows it has not seen, which is what live traffic sends. With
+    the trees: TL2cgen's if-chains then measured 1.3-2.6x faster at batch 1-64 than on rows it has
+    not seen, which is what live traffic sends (XGBoost <= 1.06x, the branch-free tree kernel
+    <= 1.02x; benchmarks/results/tree_kernel.md). With
     fewer than 2*b rows, the rows are repeated up to b (rows may be N-D: images).
     """
     if len(X) < 2 * b:
         return [np.ascontiguousarray(np.resize(X, (b,) + X.shape[1:]), dtype=X.dtype)]
     return [np.ascontiguousarray(X[i * b : (i + 1) * b]) for i in range(min(limit, len(X) // b))]
+
+
+def median_us(fn, batches, budget_s=0.15, max_calls=2000, min_calls=5):
+    """Median µs of `fn` called on `batches` in turn (distinct_batches) for about `budget_s`: the
+    benchmarks' in-process counterpart of `Worker.measure`."""
+    fn(batches[0])
+    samples = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < min_calls or (len(samples) < max_calls and time.perf_counter() < deadline):
+        x = batches[len(samples) % len(batches)]
+        t0 = time.perf_counter_ns()
+        fn(x)
+        samples.append((time.perf_counter_ns() - t0) / 1000.0)
+    return float(np.median(samples))
 
 
 def main():
