@@ -21,6 +21,7 @@ REPORT = HERE / "REPORT.md"
 LABELS = {
     "scorestack": "scorestack (derived batching)",
     "scorestack_nobatch": "scorestack, no batching",
+    "scorestack_python": "scorestack, Python backend",
     "triton_cache_floor": "Triton response-cache hit (floor)",
     "mlserver": "MLServer + mlserver-xgboost",
     "fastapi_onnxruntime": "FastAPI + onnxruntime",

@@ -34,10 +34,11 @@ from peers import servers  # noqa: E402
 from peers.model import prepare  # noqa: E402
 
 RESULTS = HERE / "results"
-TARGETS = ("scorestack", "scorestack_nobatch", "triton_cache_floor", "mlserver", "fastapi_onnxruntime", "fastapi_xgboost")
+TARGETS = ("scorestack", "scorestack_nobatch", "scorestack_python", "triton_cache_floor", "mlserver", "fastapi_onnxruntime", "fastapi_xgboost")
 DESCRIPTIONS = {
     "scorestack": "scorestack: compiled fraud model in the local Triton, derived dynamic batching, KServe v2 gRPC",
     "scorestack_nobatch": "the same model folder with the dynamic_batching block removed, KServe v2 gRPC",
+    "scorestack_python": "the same model folder served through Triton's Python backend (scorestack's model runtime in a stub process) instead of scorestack's native backend, derived dynamic batching, KServe v2 gRPC",
     "triton_cache_floor": "Triton response-cache hit (same 64 requests repeated, response_cache enabled): the server-path floor, KServe v2 gRPC",
 }
 MLSERVER_MIN_BATCH_TIME_US = 200  # MLServer skips adaptive batching when max_batch_time is 0 (mlserver/batching/hooks.py)
@@ -74,6 +75,10 @@ def start_peers(model, run_dir: Path, names: tuple[str, ...]) -> tuple[dict, dic
                 peer = servers.start_triton(name, variants["batching"], DESCRIPTIONS[name])
             elif name == "scorestack_nobatch":
                 peer = servers.start_triton(name, variants["nobatch"], DESCRIPTIONS[name])
+            elif name == "scorestack_python":
+                if "python" not in variants:
+                    raise ValueError("the compiled fraud model is served through the Python backend already (no native-backend config to compare)")
+                peer = servers.start_triton(name, variants["python"], DESCRIPTIONS[name])
             elif name == "triton_cache_floor":
                 peer = servers.start_triton(name, variants["cache"], DESCRIPTIONS[name])
             elif name == "mlserver":

@@ -13,7 +13,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from scorestack import schema
-from scorestack.serve import runtime_files
+from scorestack.serve import native, runtime_files
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.triton_config import format_config, parse_config
 
@@ -104,10 +104,41 @@ def input_contract(spec: ModelSpec) -> tuple[str, int, list[int]]:
     return schema.INPUT_TENSOR, mc.TYPE_FP32, [spec.n_features]
 
 
-def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, n_outputs: int) -> mc.ModelConfig:
-    """The production config.pbtxt (the contract with the serving stage)."""
+def native_backend(spec: ModelSpec, artifact: Artifact, settings: TritonSettings) -> tuple[str | None, str]:
+    """The `scorestack_native` plan when scorestack's native backend can serve `artifact` (None when
+    not), and the rule that says why."""
+    bands = (
+        [(b.min_rows, b.artifact, b.output_column, b.runtime, b.format) for b in artifact.bands]
+        if artifact.bands
+        else [(1, artifact.artifact_name, artifact.output_column, artifact.runtime, artifact.format)]
+    )
+    python = "backend = python (scorestack's model runtime in Triton's Python backend)"
+    if not spec.serving.native_backend:
+        return None, f"{python}: serving.native_backend is false."
+    others = sorted({fmt for _, _, _, runtime, fmt in bands if runtime not in native.RUNTIMES})
+    if others:
+        return None, f"{python}: the native backend serves TL2cgen and tree-kernel libraries only, and {', '.join(others)} is selected."
+    if settings.instance_kind != "KIND_CPU":
+        return None, f"{python}: the native backend runs on CPU instances ({settings.instance_kind})."
+    try:
+        native.library()
+    except native.NativeBackendUnavailable as exc:
+        return None, f"{python}: {exc}."
+    plan = native.plan(spec.output_name, [(m, a, c) for m, a, c, _, _ in bands])
+    return plan, (
+        f"backend = {native.BACKEND} (native, {native.LIBRARY} in the version folder): the selected libraries are called on "
+        "Triton's instance threads, without the Python backend's round trip to a stub process; serving.native_backend: false "
+        "serves them through the Python backend instead."
+    )
+
+
+def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, n_outputs: int, native_plan: str | None = None) -> mc.ModelConfig:
+    """The production config.pbtxt (the contract with the serving stage); `native_plan` (from
+    native_backend) serves the artifact through scorestack's native backend."""
     cfg = mc.ModelConfig(name=spec.name, max_batch_size=settings.max_batch_size)
-    if artifact.backend == "onnxruntime":
+    if native_plan is not None:
+        cfg.backend = native.BACKEND
+    elif artifact.backend == "onnxruntime":
         cfg.backend = "onnxruntime"
         cfg.default_model_filename = artifact.artifact_name
     elif artifact.backend == "tensorrt":
@@ -159,6 +190,8 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
             params[rt.PARAM_OUTPUT_COLUMN] = str(artifact.output_column)
         if artifact.method is not None:
             params[rt.PARAM_METHOD] = artifact.method
+    if native_plan is not None:
+        params[native.PARAM_NATIVE] = native_plan
     if spec.task == "binary":
         threshold = spec.serving.decision_threshold
         params[rt.PARAM_DECISION_THRESHOLD] = repr(0.5 if threshold is None else float(threshold))

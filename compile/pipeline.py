@@ -15,7 +15,7 @@ import numpy as np
 from scorestack.errors import PlatformError, VerificationError
 from scorestack.paths import default_repository
 from scorestack.triton_config import load_config
-from scorestack.serve import ensure_server_environment
+from scorestack.serve import ensure_server_environment, native
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.worker import RuntimeWorker, WorkerError, project_python_worker
 
@@ -27,7 +27,7 @@ from .report import CandidateReport, CompileReport, DispatchReport, PassReport, 
 from .serve_check import check_served
 from .spec import ModelSpec, load_spec
 
-COMPILER_VERSION = "scorestack-compile 4"  # 2: measured on a batch-size grid, per-batch-size dispatch; 3: no queue delay (a lone request runs at once); 4: the tree kernel, timed on distinct rows
+COMPILER_VERSION = "scorestack-compile 5"  # 2: measured on a batch-size grid, per-batch-size dispatch; 3: no queue delay (a lone request runs at once); 4: the tree kernel, timed on distinct rows; 5: the native backend
 
 
 def content_hash(spec_path: Path, spec: ModelSpec, profile: BatchProfile | None = None) -> str:
@@ -553,12 +553,19 @@ def compile_model(
         version = max(existing, default=0) + 1
         folder = staging / "repository" / spec.name
         shutil.copytree(chosen.version_dir, folder / str(version), symlinks=False)
-        cfg = emit.write_config(folder, emit.build_config(spec, art, settings, _n_outputs(spec, model)))
+        digests = chosen.digests
+        native_plan, backend_rule = emit.native_backend(spec, art, settings)
+        settings.rules.append(backend_rule)
+        if native_plan is not None:
+            shutil.copy2(native.library(), folder / str(version) / native.LIBRARY)
+            digests = rt.write_manifest(str(folder / str(version)))
+            selected.backend = native.BACKEND
+        cfg = emit.write_config(folder, emit.build_config(spec, art, settings, _n_outputs(spec, model), native_plan=native_plan))
         report = build_report(
             spec, spec_path, source, model, holdout,
             content_hash=digest, compiler_version=COMPILER_VERSION, sizes=sizes, weights=weights, passes=pass_reports,
             candidates=reports, selected=selected, dispatch=dispatch_report, profile=profile, batch_profile=batch_profile,
-            settings=settings, config=cfg, dest=dest, version=version, digests=chosen.digests, verified_in=verified_in,
+            settings=settings, config=cfg, dest=dest, version=version, digests=digests, verified_in=verified_in,
         )  # fmt: skip
         if serve_check:
             report.serve_check = _serve_check(spec, model, holdout, chosen, folder)

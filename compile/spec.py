@@ -106,6 +106,9 @@ class ServingSpec(_Strict):
     # Serve several verified formats, each on the batch sizes where it was measured fastest
     # (compile/dispatch.py); false keeps one format for every batch size.
     dispatch: bool = True
+    # Serve TL2cgen / tree-kernel artifacts through scorestack's native Triton backend (a C library
+    # in the version folder, serve/native.py) instead of the Python backend; false: Python backend.
+    native_backend: bool = True
 
     @field_validator("batch_weights")
     @classmethod

@@ -3,9 +3,11 @@
 Each model keeps its name, tensors, max_batch_size, dynamic batching, instance groups, queue policy,
 response cache and warm-up, and serves the versions its version policy selects (named in a
 `specific` policy, see `_carry_dropped_versions`); only the backend changes, to scorestack's model
-runtime in Triton's Python backend, which runs the same artifact (onnxruntime for .onnx). Version
-folders hold symlinks to the repository's artifacts, so the runtime checks the real bytes against
-SHA256SUMS, and copies of the runtime's own two files (see `_link_version`).
+runtime in Triton's Python backend, which runs the same artifact (onnxruntime for .onnx). Models on
+scorestack's native backend (serve/native.py) keep it: the local Triton loads its library from the
+version folder as production does. Version folders hold symlinks to the repository's artifacts, so
+the runtime checks the real bytes against SHA256SUMS, and copies of the code that runs them (the
+runtime's two files, the native backend's library; see `_link_version`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from importlib import resources
 from pathlib import Path
 
 from scorestack.errors import ConfigError
+from scorestack.serve import native
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.triton_config import load_config, write_config
 
 # Production backend -> the runtime that executes its artifact locally, and its default file.
 _NATIVE_BACKENDS = {"onnxruntime": ("onnxruntime", "model.onnx")}
 _PLATFORMS = {"onnxruntime_onnx": ("onnxruntime", "model.onnx"), "tensorrt_plan": ("tensorrt", "model.plan")}
+# Copied into the view, not linked: the code that runs the model (see _link_version).
+_COPIED = frozenset(rt.RUNTIME_FILES) | {native.LIBRARY}
 
 
 @dataclass(frozen=True)
@@ -97,23 +102,28 @@ def render_model(model_dir: Path, out_root: Path) -> str | None:
             for v in versions:
                 (staged / v.name).mkdir()
         else:
-            params = config.parameters
-            if rt.PARAM_RUNTIME in params:
-                runtime_name = params[rt.PARAM_RUNTIME].string_value
-                artifact = params[rt.PARAM_ARTIFACT].string_value if rt.PARAM_ARTIFACT in params else ""
-            elif config.backend in _NATIVE_BACKENDS or config.platform in _PLATFORMS:
-                runtime_name, artifact = _NATIVE_BACKENDS.get(config.backend) or _PLATFORMS[config.platform]
-                artifact = config.default_model_filename or artifact
-            else:
-                return f"backend {config.backend or config.platform!r} has no local runtime"
             if not versions:
                 raise ConfigError(f"{model_dir}: no version folder (e.g. {model_dir}/1/) holding the artifact")
-            config.backend = "python"
-            config.platform = ""
-            config.default_model_filename = ""
-            config.ClearField("optimization")  # native accelerators do not apply to the Python backend
-            params[rt.PARAM_RUNTIME].string_value = runtime_name
-            params[rt.PARAM_ARTIFACT].string_value = artifact
+            params = config.parameters
+            if config.backend == native.BACKEND:
+                # scorestack's native backend runs here as in production: its library is in each
+                # version folder, where Triton looks first.
+                artifact = native.LIBRARY
+            else:
+                if rt.PARAM_RUNTIME in params:
+                    runtime_name = params[rt.PARAM_RUNTIME].string_value
+                    artifact = params[rt.PARAM_ARTIFACT].string_value if rt.PARAM_ARTIFACT in params else ""
+                elif config.backend in _NATIVE_BACKENDS or config.platform in _PLATFORMS:
+                    runtime_name, artifact = _NATIVE_BACKENDS.get(config.backend) or _PLATFORMS[config.platform]
+                    artifact = config.default_model_filename or artifact
+                else:
+                    return f"backend {config.backend or config.platform!r} has no local runtime"
+                config.backend = "python"
+                config.platform = ""
+                config.default_model_filename = ""
+                config.ClearField("optimization")  # native accelerators do not apply to the Python backend
+                params[rt.PARAM_RUNTIME].string_value = runtime_name
+                params[rt.PARAM_ARTIFACT].string_value = artifact
             for version in versions:
                 _link_version(version, staged / version.name, artifact)
             # The versions the production policy selects, named: the folders carried below are
@@ -206,7 +216,7 @@ def _link_version(version: Path, vdir: Path, artifact: str) -> None:
     for item in version.iterdir():
         if item.name == "__pycache__":
             continue
-        if item.name in rt.RUNTIME_FILES:
+        if item.name in _COPIED:
             shutil.copyfile(item, vdir / item.name)
         else:
             os.symlink(item.resolve(), vdir / item.name)

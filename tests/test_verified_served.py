@@ -28,6 +28,7 @@ from scorestack.compile import compile_model
 from scorestack.compile.emit import check_artifact_name
 from scorestack.errors import VerificationError
 from scorestack.serve import LocalTriton
+from scorestack.serve.native import LIBRARY as NATIVE_LIBRARY
 
 FORMATS = ("onnx", "native", "tl2cgen", "trees", "hummingbird")
 N_FEATURES = 6
@@ -158,6 +159,11 @@ def test_every_format_either_serves_exactly_or_is_refused_with_a_reason(matrix, 
         assert report.selected.format == name.split("__")[1]
         assert report.verified_in["numpy"].startswith("1."), "verified outside the server environment"
         assert set(report.artifact_sha256) >= {f"1/{report.selected.artifact}", "1/model.py", "1/scorestack_runtime.py"}
+        # Batch libraries are served by scorestack's native backend (its library in the version
+        # folder, under SHA256SUMS), everything else by the Python backend's model runtime.
+        native = report.selected.format in ("tl2cgen", "trees")
+        assert (report.selected.backend == "scorestack") == native, name
+        assert (f"1/{NATIVE_LIBRARY}" in report.artifact_sha256) == native, name
 
     # What must hold regardless of converter versions: ONNX and the native library serve every
     # source (scikit-learn pickles written under numpy 2 once failed to load under the server's

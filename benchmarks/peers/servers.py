@@ -2,6 +2,8 @@
 
 - scorestack: the compiled model folder in the local Triton (derived dynamic batching);
 - scorestack without batching: a copy of the folder with the dynamic_batching block dropped;
+- scorestack through the Python backend: a copy whose config names backend "python" instead of
+  scorestack's native backend (the same artifacts, run by the model runtime in a stub process);
 - the floor: a copy with Triton's response cache enabled (the benchmark repeats its requests);
 - MLServer + mlserver-xgboost with adaptive batching (its own venv, KServe v2 gRPC);
 - FastAPI + uvicorn (1 worker) with XGBoost `predict_proba`, and with onnxruntime (HTTP/JSON).
@@ -91,11 +93,12 @@ def _pkg_versions(names: tuple[str, ...]) -> dict[str, str | None]:
 
 # -- Triton variants -------------------------------------------------------------------------------
 def triton_variants(model: FraudModel, root: Path) -> dict[str, Path]:
-    """A repository per variant: the compiled folder as is, without dynamic batching, with the response cache."""
+    """A repository per variant: the compiled folder as is, without dynamic batching, through the Python
+    backend (when the compiled config names scorestack's native backend), with the response cache."""
     from scorestack.triton_config import load_config, write_config
 
     out = {}
-    for variant in ("batching", "nobatch", "cache"):
+    for variant in ("batching", "nobatch", "python", "cache"):
         repo = root / f"repo_{variant}"
         if repo.exists():
             shutil.rmtree(repo)
@@ -111,6 +114,11 @@ def triton_variants(model: FraudModel, root: Path) -> dict[str, Path]:
         cfg.name = name
         if variant == "nobatch":
             cfg.ClearField("dynamic_batching")
+        elif variant == "python":
+            if cfg.backend != "scorestack":
+                shutil.rmtree(repo)
+                continue  # already the Python backend: the batching variant is this one
+            cfg.backend = "python"  # the local view runs the same parameters through the model runtime
         elif variant == "cache":
             cfg.response_cache.enable = True
         write_config(cfg, dest / "config.pbtxt")
@@ -128,7 +136,7 @@ def start_triton(name: str, model_dir: Path, description: str) -> Peer:
     cfg = load_config(model_dir / "config.pbtxt")
     batching = format_config(cfg).split("dynamic_batching", 1)
     summary = {
-        "server": "tritonserver (local view, Python backend running the compiled artifact)",
+        "server": "tritonserver (local view, " + ("scorestack's native backend" if cfg.backend == "scorestack" else "Python backend") + " running the compiled artifact)",
         "max_batch_size": cfg.max_batch_size,
         "instances": [f"{g.count} x {model_config_kind(g.kind)}" for g in cfg.instance_group],
         "dynamic_batching": ("dynamic_batching" + batching[1].split("\n}\n", 1)[0] + "\n}") if len(batching) > 1 else None,
