@@ -341,3 +341,158 @@ def _alert(url: str, tls: ClientTls, exc: Exception) -> str | None:
     if any(s in reason for s in ("UNKNOWN_CA", "BAD_CERTIFICATE", "DECRYPT_ERROR", "ACCESS_DENIED")):
         return f"Triton at {url} refused this client's certificate {tls.cert}: not signed by the CA it trusts for clients ({reason.lower()})"
     return None
+
+
+# --- the key without a command line: handing it to tritonserver through a pipe ----------------------
+
+# Triton 2.51 takes the restricted-API key only as a command-line value, and every user who can list
+# processes reads command lines (/proc/<pid>/cmdline is world-readable). So tritonserver is started
+# with a random placeholder where the key goes, the key is written into a pipe whose read end it
+# inherits, and a tiny library preloaded into it (LD_PRELOAD) reads the pipe in its constructor --
+# before tritonserver's main() parses its options -- and points main's argv entries at heap copies
+# with the key in place of the placeholder. The process's command line (the strings the kernel
+# shows) holds only the placeholder; its environment holds only the fd number and the library path.
+# If the library did not load, Triton would be restricted to the placeholder, which nobody sends:
+# the caller's first admin call with the real key is refused and the start fails (LocalTriton checks
+# the repository index with the key before it reports ready).
+KEY_FD_ENV = "SCORESTACK_ADMIN_KEY_FD"
+KEY_PLACEHOLDER_ENV = "SCORESTACK_ADMIN_KEY_PLACEHOLDER"
+_SHIM_NAME = "scorestack_keyshim.so"
+_SHIM_SOURCE = r"""
+/* scorestack: put the admin key into tritonserver's argv from an inherited pipe (serve/security.py). */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static void die(const char *why) {
+    static const char prefix[] = "scorestack admin-key handoff: ";
+    (void)!write(2, prefix, sizeof prefix - 1);
+    (void)!write(2, why, strlen(why));
+    (void)!write(2, "\n", 1);
+    _exit(78);
+}
+
+__attribute__((constructor)) static void scorestack_key_handoff(int argc, char **argv, char **envp) {
+    (void)envp;
+    const char *fd_text = getenv("SCORESTACK_ADMIN_KEY_FD");
+    const char *mark_env = getenv("SCORESTACK_ADMIN_KEY_PLACEHOLDER");
+    if (!fd_text || !mark_env) return;            /* not a tritonserver we started: do nothing */
+    char mark[128];
+    size_t mark_len = strlen(mark_env);
+    if (mark_len == 0 || mark_len >= sizeof mark) die("bad placeholder");
+    memcpy(mark, mark_env, mark_len + 1);
+    int fd = atoi(fd_text);
+    char key[1024];
+    size_t n = 0;
+    for (;;) {
+        ssize_t got = read(fd, key + n, sizeof key - 1 - n);
+        if (got < 0) die("cannot read the key from its pipe");
+        if (got == 0) break;
+        n += (size_t)got;
+        if (n == sizeof key - 1) die("key too long");
+    }
+    close(fd);
+    while (n && (key[n - 1] == '\n' || key[n - 1] == '\r')) n--;
+    key[n] = 0;
+    if (n == 0) die("empty key on its pipe");
+    /* Children (the Python backend's stubs) neither need nor get any of it. */
+    unsetenv("SCORESTACK_ADMIN_KEY_FD");
+    unsetenv("SCORESTACK_ADMIN_KEY_PLACEHOLDER");
+    /* LD_PRELOAD is "<this library>[:what the caller had]": children keep only the caller's part. */
+    const char *preload = getenv("LD_PRELOAD");
+    const char *rest = preload ? strchr(preload, ':') : NULL;
+    if (rest && rest[1]) setenv("LD_PRELOAD", rest + 1, 1); else unsetenv("LD_PRELOAD");
+    int replaced = 0;
+    for (int i = 0; i < argc; i++) {
+        char *at = strstr(argv[i], mark);
+        if (!at) continue;
+        size_t len = strlen(argv[i]), head = (size_t)(at - argv[i]);
+        char *copy = malloc(len - mark_len + n + 1);
+        if (!copy) die("out of memory");
+        memcpy(copy, argv[i], head);
+        memcpy(copy + head, key, n);
+        strcpy(copy + head + n, at + mark_len);
+        argv[i] = copy;                           /* main() sees this; /proc/<pid>/cmdline does not */
+        replaced++;
+    }
+    memset(key, 0, sizeof key);
+    if (!replaced) die("no argument holds the placeholder");
+}
+"""
+
+
+def build_key_shim(directory: str | os.PathLike[str]) -> Path:
+    """Compile the key-handoff library into `directory` (a private one: it is preloaded into tritonserver).
+
+    Needs a C compiler (gcc, as TL2cgen does); raises AdminKeyError naming it when there is none.
+    """
+    import hashlib
+    import shutil
+    import subprocess
+    import tempfile
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tag = hashlib.sha256(_SHIM_SOURCE.encode()).hexdigest()[:12]
+    lib = d / f"{tag}-{_SHIM_NAME}"
+    if lib.is_file():
+        return lib
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise AdminKeyError(
+            "handing the admin key to tritonserver without its command line needs a C compiler (gcc), and none "
+            "was found: install gcc (apt-get install gcc)"
+        )
+    with tempfile.TemporaryDirectory(dir=d) as tmp:
+        src = Path(tmp) / "keyshim.c"
+        src.write_text(_SHIM_SOURCE)
+        out = Path(tmp) / _SHIM_NAME
+        done = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(src)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise AdminKeyError(f"building the admin-key handoff library with {cc} failed: {done.stderr.strip()[:800]}")
+        os.replace(out, lib)
+    return lib
+
+
+@dataclass
+class KeyHandoff:
+    """How to start tritonserver restricted by `key` without the key in its command line or environment.
+
+    Start it with `args`, the environment updated with `env`, and `pass_fds=(read_fd,)`; then call
+    `close()` in the parent (the child keeps its copy of the pipe, already holding the key).
+    """
+
+    args: list[str]
+    env: dict[str, str]
+    read_fd: int
+
+    def close(self) -> None:
+        try:
+            os.close(self.read_fd)
+        except OSError:
+            pass
+
+
+def key_handoff(args: list[str], key: AdminKey, shim: Path, *, ld_preload: str | None = None) -> KeyHandoff:
+    """Replace `key` in tritonserver's `args` (e.g. from `AdminKey.triton_args`) with a random
+    placeholder, and write the key into a pipe for the preloaded `shim` (`build_key_shim`) to read."""
+    import secrets
+
+    placeholder = f"scorestack-key-placeholder-{secrets.token_hex(16)}"
+    if not any(key.value in a for a in args):
+        raise AdminKeyError("no tritonserver argument carries the admin key: nothing to hand over")
+    new_args = [a.replace(key.value, placeholder) for a in args]
+    read_fd, write_fd = os.pipe()
+    try:
+        data = key.value.encode()
+        if os.write(write_fd, data) != len(data):  # a pipe holds 64 KiB; a key is < 1 KiB
+            raise AdminKeyError("could not write the admin key into its pipe")
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    preload = f"{shim}:{ld_preload}" if ld_preload else str(shim)
+    env = {"LD_PRELOAD": preload, KEY_FD_ENV: str(read_fd), KEY_PLACEHOLDER_ENV: placeholder}
+    return KeyHandoff(new_args, env, read_fd)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from scorestack.errors import AdminKeyError, ConfigError, ServerError
 from scorestack.serve.environment import ServerEnvironment, ensure_server_environment
-from scorestack.serve.security import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, ADMIN_KEY_HEADER, RESTRICTED_APIS, AdminKey, ServerTls, is_loopback
+from scorestack.serve.security import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, ADMIN_KEY_HEADER, RESTRICTED_APIS, AdminKey, ServerTls, build_key_shim, is_loopback, key_handoff
 from scorestack.serve.view import LocalView, build_local_view, render_model
 
 log = logging.getLogger(__name__)
@@ -488,9 +488,6 @@ class LocalTriton:
         ]
         if self.tls is not None:
             args += self.tls.triton_args()
-        if self.admin_key is not None:
-            # Triton takes the key only here, on its command line (README: threat model).
-            args += self.admin_key.triton_args(self.restricted_apis)
         names = self.models if self.models is not None else list(self.view.models)
         known = set(self.view.models) | set(self.view.skipped)
         unknown = sorted(set(names) - known)
@@ -503,17 +500,33 @@ class LocalTriton:
         # Triton and its stubs need no key in their environment; keep it out of /proc/<pid>/environ.
         launch_env.pop(ADMIN_KEY_ENV, None)
         launch_env.pop(ADMIN_KEY_FILE_ENV, None)
+        handoff = None
+        if self.admin_key is not None:
+            # Triton takes the key only on its command line: it gets a random placeholder there, and
+            # the key through a pipe that a library preloaded into it reads before main() parses its
+            # options (serve.security.key_handoff): ps and /proc/<pid>/cmdline never show the key.
+            handoff = key_handoff(
+                self.admin_key.triton_args(self.restricted_apis), self.admin_key, build_key_shim(self.run_dir / "keyshim"),
+                ld_preload=launch_env.get("LD_PRELOAD"),
+            )
+            args += handoff.args
+            launch_env.update(handoff.env)
         # The parent-death signal fires when the forking *thread* exits: only tie it from the main thread.
         main = threading.current_thread() is threading.main_thread()
-        self.process = subprocess.Popen(
-            args,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=launch_env,
-            cwd=self.run_dir,
-            start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it cleanly
-            preexec_fn=_die_with_parent(os.getpid()) if main else None,
-        )
+        try:
+            self.process = subprocess.Popen(
+                args,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                env=launch_env,
+                cwd=self.run_dir,
+                start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it cleanly
+                preexec_fn=_die_with_parent(os.getpid()) if main else None,
+                pass_fds=(handoff.read_fd,) if handoff is not None else (),
+            )
+        finally:
+            if handoff is not None:
+                handoff.close()  # tritonserver holds its own copy of the pipe's read end
 
     def _terminate(self, timeout_s: float = 20.0) -> None:
         if self.process is not None and self.process.poll() is None:

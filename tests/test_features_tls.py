@@ -3,12 +3,9 @@ certificate; `rediss://` URLs with a CA file and client certificate, through Fea
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,50 +14,8 @@ from scorestack.errors import FeatureError
 from scorestack.features import store
 from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
+from scorestack.serve.devcerts import DevCerts, write_dev_certs
 from scorestack.serve.server import free_port
-
-
-def _certificates(directory: Path) -> dict[str, Path]:
-    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "scorestack test CA")])
-
-    def certificate(subject: str, key, *, ca: bool, san=None, usage=None):
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(hours=2))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if san:
-            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
-        if usage:
-            builder = builder.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
-        return builder.sign(ca_key, hashes.SHA256())
-
-    def write(name: str, cert, key=None) -> None:
-        (directory / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        if key is not None:
-            (directory / f"{name}.key").write_bytes(
-                key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-            )
-
-    write("ca", certificate("scorestack test CA", ca_key, ca=True))
-    server_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-    write("server", certificate("127.0.0.1", server_key, ca=False, san=san, usage=[ExtendedKeyUsageOID.SERVER_AUTH]), server_key)
-    write("client", certificate("scorestack client", client_key, ca=False, usage=[ExtendedKeyUsageOID.CLIENT_AUTH]), client_key)
-    return {n: directory / n for n in ("ca", "server", "client")}
 
 
 @pytest.fixture
@@ -69,13 +24,13 @@ def tls_redis(tmp_path):
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("required service missing: redis-server binary not found (apt-get install redis-server)")
-    certs = _certificates(tmp_path)
+    certs = write_dev_certs(tmp_path / "certs")  # throwaway CA; server certificate for 127.0.0.1 and localhost
     port = free_port()
     proc = subprocess.Popen(
         [
             binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-            "--tls-cert-file", f"{certs['server']}.pem", "--tls-key-file", f"{certs['server']}.key",
-            "--tls-ca-cert-file", f"{certs['ca']}.pem", "--tls-auth-clients", "yes",
+            "--tls-cert-file", str(certs.server_cert), "--tls-key-file", str(certs.server_key),
+            "--tls-ca-cert-file", str(certs.ca), "--tls-auth-clients", "yes",
             "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
         ],
         stdout=subprocess.PIPE,
@@ -99,12 +54,12 @@ def tls_redis(tmp_path):
         proc.wait(10)
 
 
-def _url(port: int, certs: dict[str, Path], *, client: bool = True, ca: bool = True) -> str:
+def _url(port: int, certs: DevCerts, *, client: bool = True, ca: bool = True) -> str:
     query = []
     if ca:
-        query.append(f"ssl_ca_certs={certs['ca']}.pem")
+        query.append(f"ssl_ca_certs={certs.ca}")
     if client:
-        query += [f"ssl_certfile={certs['client']}.pem", f"ssl_keyfile={certs['client']}.key"]
+        query += [f"ssl_certfile={certs.client_cert}", f"ssl_keyfile={certs.client_key}"]
     return f"rediss://127.0.0.1:{port}/0" + ("?" + "&".join(query) if query else "")
 
 
