@@ -8,13 +8,18 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "scorestack needs Python >= 3.11 (found $("$PY" --version 2>&1)); set PYTHON=/path/to/python3.11" >&2
   exit 1
 fi
+# Debian's docker-compose checks the compose file (tests/test_deploy.py); it needs no Docker engine.
+if ! command -v docker-compose >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.scorestack-installed
-want=$(sha256sum pyproject.toml | cut -c1-16)
+want=$(cat pyproject.toml deploy/scorestack/constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
-  # torch is pinned in pyproject (torch==2.13.0, CPU build); never let it float.
-  .venv/bin/python -m pip install --disable-pip-version-check -q -e ".[dev]"
+  # Every distribution at the version the images pin (deploy/scorestack/constraints.txt, written by
+  # deploy/scorestack/lock.py); torch is pinned in pyproject (torch==2.13.0, CPU build).
+  .venv/bin/python -m pip install --disable-pip-version-check -q -c deploy/scorestack/constraints.txt -e ".[dev]"
   echo "$want" > "$stamp"
 fi
-.venv/bin/scorestack server-env
+PIP_CONSTRAINT="$PWD/deploy/scorestack/server-env-constraints.txt" .venv/bin/scorestack server-env

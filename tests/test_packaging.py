@@ -1,4 +1,5 @@
-"""The distribution: a non-editable install carries every stage and the model runtime; the compose file is sane."""
+"""The distribution: a non-editable install carries every stage and the model runtime; the console script lists the stages.
+(The images and the compose file: tests/test_deploy.py.)"""
 
 from __future__ import annotations
 
