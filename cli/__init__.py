@@ -27,6 +27,7 @@ app.command("diagnose")(_diagnose.diagnose)
 app.add_typer(demo_app, name="demo")
 demo_app.callback(invoke_without_command=True)(_demo.demo)
 demo_app.command("train")(_demo.train)
+demo_app.command("diagnose")(_demo.diagnose)
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .errors import reported
+from .errors import FAILED, reported
 
 
 @reported
@@ -76,4 +76,4 @@ def compile_command(
     for r in failed:
         console.print(f"[red]{r.name}[/] ({r.spec}):\n{r.error}")
     if failed or swap_errors:
-        raise typer.Exit(code=1)
+        raise typer.Exit(code=FAILED)

@@ -1,7 +1,9 @@
-"""`scorestack demo` (the whole demo, no flags needed) and `scorestack demo train`."""
+"""`scorestack demo` (the whole demo, no flags needed), `scorestack demo train` and `scorestack demo diagnose`."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -52,3 +54,72 @@ def train(
             specs += train_vision_models(out_dir)
     for s in specs:
         console.print(f"spec: {s}")
+
+
+@reported
+def diagnose(
+    url: str = typer.Option(..., "--url", help="Triton gRPC address serving the demo models, e.g. 127.0.0.1:8001."),
+    feature_repo: Optional[Path] = typer.Option(None, help="Working demo feature repository (default ./.scorestack/feature_repo)."),
+    fraud_requests: Optional[int] = typer.Option(None, min=1, help="Fraud requests to send (default 200)."),
+    ranking_requests: Optional[int] = typer.Option(None, min=1, help="Ranking requests to send (default 50)."),
+    candidates: Optional[int] = typer.Option(None, min=1, help="Candidates per ranking request (default 200)."),
+    fraud_model: str = typer.Option("fraud_xgb", help="Fraud model name in Triton."),
+    ranking_model: str = typer.Option("ranking_xgb", help="Ranking model name in Triton."),
+    users: Optional[int] = typer.Option(None, min=1, help="Sample user ids from 1..USERS (default 5000)."),
+    items: Optional[int] = typer.Option(None, min=1, help="Sample item ids from 1..ITEMS (default 2000)."),
+    metrics_port: Optional[int] = typer.Option(
+        None, "--metrics-port", min=0, max=65535, help="Serve the traffic's request-phase and feature-fetch metrics at http://ADDRESS:PORT/metrics while it runs."
+    ),
+    metrics_address: str = typer.Option(
+        "127.0.0.1", "--metrics-address", help="Address --metrics-port binds (0.0.0.0 inside a container network, for Prometheus)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    tls_dir: Optional[Path] = typer.Option(
+        None, "--tls-dir", envvar="SCORESTACK_TLS_DIR", help="Talk gRPC over TLS with the CA (and client certificate for mutual TLS) in DIR."
+    ),
+) -> None:
+    """Send the demo's fraud and ranking traffic through the demo services and say where the time went (the compose `demo` service).
+
+    For your own models and traffic use `scorestack diagnose`, which sends nothing unless asked to replay. Triton's statistics API may be restricted: the admin key comes from SCORESTACK_ADMIN_KEY or SCORESTACK_ADMIN_KEY_FILE, never from the command line."""
+    from dataclasses import asdict
+
+    from rich.console import Console
+
+    from scorestack import paths
+    from scorestack.client.diagnose import diagnosis_line, render
+    from scorestack.demo.traffic import DEFAULTS, run_diagnosis
+    from scorestack.serve.security import ClientTls
+
+    # No wrapping: messages stay one line each, for logs and for whoever reads them by line.
+    err = Console(stderr=True, soft_wrap=True)
+    given = {"fraud_requests": fraud_requests, "ranking_requests": ranking_requests, "candidates": candidates, "users": users, "items": items}
+    n = {k: given[k] if given[k] is not None else v for k, v in DEFAULTS.items()}
+    repo = feature_repo or paths.workspace() / "feature_repo"
+    tls = ClientTls.from_dir(tls_dir) if tls_dir else None
+    err.print(f"sending the demo's traffic to {url}: {n['fraud_requests']} fraud requests ({fraud_model}), {n['ranking_requests']} ranking requests of {n['candidates']} candidates ({ranking_model})")
+    registry = http = None
+    if metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from scorestack.client.metrics import serve
+
+        registry = CollectorRegistry()
+        http, _ = serve(metrics_port, registry, addr=metrics_address)
+        err.print(f"request metrics at http://{metrics_address}:{http.server_port}/metrics while the traffic runs")
+    try:
+        result = asyncio.run(
+            run_diagnosis(
+                url, repo, n["fraud_requests"], n["ranking_requests"], n["candidates"],
+                fraud_model=fraud_model, ranking_model=ranking_model, n_users=n["users"], n_items=n["items"], tls=tls, registry=registry,
+            )  # fmt: skip
+        )
+    finally:
+        if http is not None:
+            http.shutdown()
+    if json_out:
+        print(json.dumps({"mode": "demo", "url": url, "services": [asdict(b) for b in result]}, indent=1))
+        return
+    console = Console()
+    console.print(render(result))
+    for b in result:
+        console.print(f"[bold]diagnosis[/bold] {diagnosis_line(b)}")

@@ -23,6 +23,8 @@ RECOMPILE_GAIN = 0.10
 # Triton's compute-infer per execution above this multiple of the compile's measured model time means
 # the time goes to the backend around the model, not to the model's format.
 OVERHEAD_FACTOR = 3.0
+# Requests in Triton on average (Little's law) below which they rarely overlap: nothing for a queue delay to join.
+MIN_OVERLAP = 1.5
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,12 @@ def decide_compute(
     report_path: Path,
     repository: Path,
     stats_file: Path | None,
+    window_s: float | None = None,
 ) -> Decision:
-    """Compute dominates: is another measured format faster at the batch sizes this traffic executed?"""
+    """Compute dominates: is another measured format faster at the batch sizes this traffic executed?
+
+    `window_s`: the window's length, to tell whether requests overlapped in Triton at all (a queue
+    delay can only join requests that are there to join)."""
     batches = dict(stats.batches)
     if not batches:
         return Decision("compute_infer", share, "make the model cheaper", "no executions in the window (every request a cache hit?)")
@@ -160,11 +166,23 @@ def decide_compute(
         # backend's per-execution work (the Python backend's IPC in the local view), which a faster
         # format cannot remove; fewer, fuller executions or a native backend can.
         per_exec = stats.success.count / max(sum(stats.batches.values()), 1)
+        # Requests inside Triton on average over the window (Little's law): below ~1.5 they rarely
+        # overlap, and a queue delay would add its wait to every request without joining any.
+        in_triton = stats.success.ns / (window_s * 1e9) if window_s else None
+        if in_triton is not None and in_triton < MIN_OVERLAP:
+            join = (
+                f"requests rarely overlap ({in_triton:.2f} in Triton on average), so a queue delay would only add its wait: "
+                "serve on Triton's native onnxruntime backend (the production container)"
+            )
+        else:
+            join = (
+                "raise max_queue_delay_microseconds so more requests share one, or serve on Triton's native onnxruntime "
+                "backend (the production container)"
+            )
         return Decision(
             "compute_infer", share, "fewer, fuller executions or a native backend (the model is a small part of compute)",
             f"Triton spent {seen_us:.0f} µs per execution where {measured}: {overhead_us / seen_us:.0%} is the backend's "
-            f"per-execution overhead; executions join {per_exec:.1f} requests on average: raise max_queue_delay_microseconds "
-            "so more requests share one, or serve on Triton's native onnxruntime backend (the production container)"
+            f"per-execution overhead; executions join {per_exec:.1f} requests on average: {join}"
             + (f"; recompiling ({best}, {best_us:.0f} µs) would save less" if gain_us > 0 else ""),
         )  # fmt: skip
     return Decision(

@@ -303,7 +303,7 @@ def _decision(
     phases: Mapping[str, float],
 ) -> Decision:
     if dominant == "compute_infer":
-        return decide_compute(share, stats, ctx.report, ctx.report_path, ctx.repository, ctx.stats_file)
+        return decide_compute(share, stats, ctx.report, ctx.report_path, ctx.repository, ctx.stats_file, window_s)
     if dominant == "queue":
         return decide_queue(share, stats, ctx.config, window_s, phases["queue"])
     if dominant == "features":
@@ -487,7 +487,7 @@ async def model_context(triton: TritonClient, target: Target, model: str, featur
 
 
 def read_failures(target: Target) -> dict[str, dict[str, int]] | None:
-    return None if target.metrics_url is None else failures_by_reason(fetch_text(target.metrics_url))
+    return None if target.metrics_url is None else failures_by_reason(fetch_text(target.metrics_url), target.metrics_url)
 
 
 def failure_delta(before: dict[str, dict[str, int]] | None, after: dict[str, dict[str, int]] | None, model: str) -> dict[str, int] | None:

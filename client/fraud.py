@@ -13,7 +13,7 @@ from scorestack.client.requests import ScoringPath, numeric_fields, record
 from scorestack.client.metrics import RequestMetrics
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
-from scorestack.errors import RequestValidationError
+from scorestack.errors import InputValidationError, RequestValidationError
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
 from scorestack.features.push import CounterUpdate, FeatureWriter
 from scorestack.serve.runtime.scorestack_runtime import PARAM_DECISION_THRESHOLD
@@ -23,7 +23,7 @@ DEFAULT_THRESHOLD = 0.5
 # Status code -> name, once: an enum lookup per feature cost ~2 µs each on every request.
 _STATUS_NAMES = {int(s): s.name.lower() for s in FeatureStatus}
 
-# The demo repository's velocity counters, moved by each scored transaction (features/repo/definitions.py).
+# The fraud feature definitions' velocity counters, moved by each scored transaction (features/repo/definitions.py).
 VELOCITY_UPDATE = CounterUpdate(
     push_source="user_txn_velocity_push",
     key="user_id",
@@ -89,9 +89,9 @@ class FraudService(ScoringPath):
         timer = PhaseTimer()
         with timer.phase("validate"):
             if not isinstance(transaction, Mapping):
-                raise RequestValidationError("transaction", f"must be a mapping of field -> value, got {type(transaction).__name__}")
+                raise InputValidationError("transaction", f"must be a mapping of field -> value, got {type(transaction).__name__}")
             if "user_id" not in transaction:
-                raise RequestValidationError("user_id", "missing; every transaction names its user")
+                raise InputValidationError("user_id", "missing; every transaction names its user")
             user = self.entity_id(transaction["user_id"], "user_id")
             # The fetch starts before the rest is validated, so store I/O overlaps the CPU work.
             fetch = asyncio.ensure_future(self.fetcher.fetch(self.feature_service, {"user_id": user}))

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
 from scorestack.client.advice import FeatureSide
 from scorestack.client.server_stats import fetch_text
+from scorestack.errors import InferenceError
 from scorestack.features.metrics import in_process_values
 
 METRIC = "scorestack_request_phase_seconds"
@@ -118,9 +119,12 @@ class Scrape:
 
         text = fetch_text(url)
         samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+        try:
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+        except ValueError as exc:
+            raise InferenceError(f"metrics at {url}: not Prometheus text ({exc}); give the service's /metrics endpoint") from exc
         return cls(url, samples)
 
     def minus(self, before: "Scrape") -> "Scrape":

@@ -14,7 +14,7 @@ from scorestack.client.requests import ScoringPath, numeric_fields, record
 from scorestack.client.metrics import RequestMetrics
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
-from scorestack.errors import InferenceError, RequestValidationError
+from scorestack.errors import InferenceError, InputValidationError, RequestValidationError
 from scorestack.features.fetch import FeatureFetcher
 
 DEFAULT_MAX_CANDIDATES = limits.MAX_CANDIDATES
@@ -22,7 +22,7 @@ DEFAULT_MAX_CANDIDATES = limits.MAX_CANDIDATES
 
 @dataclass(frozen=True)
 class RankedList:
-    item_ids: list[int]  # best first
+    item_ids: list[int | str]  # best first (ints or strings, as the item join key is typed)
     scores: np.ndarray  # float32, aligned with item_ids
     degraded: bool
     degraded_reason: str | None
@@ -75,19 +75,19 @@ class RankingService(ScoringPath):
         self.chunk_size = chunk_size
         self.max_in_flight = max_in_flight
 
-    def _validate_candidates(self, candidate_ids: Any) -> list[int]:
+    def _validate_candidates(self, candidate_ids: Any) -> list[int | str]:
         if isinstance(candidate_ids, (str, bytes)) or not isinstance(candidate_ids, Sequence | np.ndarray):
-            raise RequestValidationError("candidate_ids", f"must be a list of item ids, got {type(candidate_ids).__name__}")
+            raise InputValidationError("candidate_ids", f"must be a list of item ids, got {type(candidate_ids).__name__}")
         n = len(candidate_ids)
         if n == 0:
-            raise RequestValidationError("candidate_ids", "empty; send at least one candidate")
+            raise InputValidationError("candidate_ids", "empty; send at least one candidate")
         if n > self.max_candidates:
-            raise RequestValidationError("candidate_ids", f"{n} candidates exceed the limit of {self.max_candidates}; split the request")
+            raise InputValidationError("candidate_ids", f"{n} candidates exceed the limit of {self.max_candidates}; split the request")
         ids = [self.entity_id(v, "item_id", f"candidate_ids[{i}]") for i, v in enumerate(candidate_ids)]
         if len(set(ids)) != n:
-            seen: set[int] = set()
+            seen: set[int | str] = set()
             dup = next(i for i in ids if i in seen or seen.add(i))
-            raise RequestValidationError("candidate_ids", f"duplicate item id {dup}; send each candidate once")
+            raise InputValidationError("candidate_ids", f"duplicate item id {dup!r}; send each candidate once")
         return ids
 
     async def rank(self, user_id: Any, candidate_ids: Any, context: Mapping[str, Any]) -> RankedList:

@@ -171,16 +171,19 @@ def fetch_text(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
         raise InferenceError(f"metrics at {url} did not answer within {timeout_s:g} s: {getattr(exc, 'reason', exc)}") from exc
 
 
-def failures_by_reason(metrics_text: str) -> dict[str, dict[str, int]]:
+def failures_by_reason(metrics_text: str, url: str = "the metrics endpoint") -> dict[str, dict[str, int]]:
     """Triton's `nv_inference_request_failure` counters: model -> reason (REJECTED, BACKEND, ...) -> count."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, dict[str, int]] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != "nv_inference_request_failure":
-            continue
-        for sample in family.samples:
-            model, reason = sample.labels.get("model", ""), sample.labels.get("reason", "OTHER")
-            by_reason = out.setdefault(model, {})
-            by_reason[reason] = by_reason.get(reason, 0) + int(sample.value)
+    try:
+        for family in text_string_to_metric_families(metrics_text):
+            if family.name != "nv_inference_request_failure":
+                continue
+            for sample in family.samples:
+                model, reason = sample.labels.get("model", ""), sample.labels.get("reason", "OTHER")
+                by_reason = out.setdefault(model, {})
+                by_reason[reason] = by_reason.get(reason, 0) + int(sample.value)
+    except ValueError as exc:
+        raise InferenceError(f"metrics at {url}: not Prometheus text ({exc}); give Triton's metrics endpoint, e.g. http://127.0.0.1:8002/metrics") from exc
     return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from scorestack import schema
+from scorestack.client.metrics import RequestMetrics
 from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import RequestValidationError
@@ -30,12 +31,18 @@ class VisionService:
     carries a quarter of the bytes float32 would. Deadlines and retries are the TritonClient's:
     every request gets the remaining deadline (also Triton's queue timeout), and only UNAVAILABLE
     is retried, with backoff, inside it.
+
+    With `metrics` (a `RequestMetrics`), each request's phases are observed into its exported
+    histograms, as on the fraud and ranking paths, for `scorestack diagnose --client-metrics`.
     """
 
-    def __init__(self, triton: TritonClient, *, model: str = "digits_cnn", deadline_s: float | None = None) -> None:
+    def __init__(
+        self, triton: TritonClient, *, model: str = "digits_cnn", deadline_s: float | None = None, metrics: RequestMetrics | None = None
+    ) -> None:
         self.triton = triton
         self.model = model
         self.deadline_s = deadline_s
+        self.metrics = metrics  # per-phase histograms for `scorestack diagnose --client-metrics`
 
     async def classify(self, images: np.ndarray) -> Classification:
         """`images`: uint8 [n, *image shape] or one image [*image shape]."""
@@ -54,7 +61,10 @@ class VisionService:
             out = schema.OUTPUT_TENSORS["image-classification"]
             probabilities = np.concatenate([r.outputs[out].reshape(len(c), -1) for r, c in zip(results, chunks)])
             classes = probabilities.argmax(1).astype(np.int64)
-        return Classification(classes, probabilities, len(chunks), sum(r.attempts for r in results), timer.finish())
+        timings = timer.finish()
+        if self.metrics is not None:
+            self.metrics.observe(timings)
+        return Classification(classes, probabilities, len(chunks), sum(r.attempts for r in results), timings)
 
 
 def _image_shape(info) -> tuple[int, ...]:  # noqa: ANN001 - a ModelInfo

@@ -14,7 +14,7 @@ from scorestack.client.triton import TritonClient
 from scorestack.demo import data as demo_data
 from scorestack.serve.security import AdminKey, ClientTls, load_admin_key
 
-# What `scorestack diagnose` sends when given no model, rows or window (the compose `demo` service).
+# What `scorestack demo diagnose` sends by default (the compose `demo` service).
 DEFAULTS = {"fraud_requests": 200, "ranking_requests": 50, "candidates": 200, "users": 5000, "items": 2000}
 
 

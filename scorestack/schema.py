@@ -1,4 +1,4 @@
-"""Feature names and tensor names shared by the demo models, the feature store and the clients.
+"""Feature names and tensor names shared by the fraud, ranking and vision models, the feature store and the clients.
 
 One name per idea: the model spec's input features, Feast's feature names and the request fields
 all use these strings, in this order.

@@ -334,12 +334,41 @@ def test_bad_input_is_named_with_the_fix(deployment, tmp_path):
     np.savez(no_x, rows=np.zeros((3, 3)))
     out = _run([*url, "--model", MODEL, "--rows", str(no_x)])
     assert out.returncode == 1 and "no array X" in out.stderr and "np.savez" in out.stderr
+    # --client-metrics alone watches the default window; the endpoint is read before it starts.
     out = _run([*url, "--client-metrics", "http://127.0.0.1:1/metrics"])
-    assert out.returncode == 2 and "--window" in out.stderr
+    assert out.returncode == 1 and "http://127.0.0.1:1/metrics did not answer" in out.stderr
+    # Replay settings without a model to replay into.
+    out = _run([*url, "--requests", "5"])
+    assert out.returncode == 2 and "--model M" in out.stderr
+    # The demo's traffic flags belong to `scorestack demo diagnose`.
+    out = _run([*url, "--fraud-requests", "5"])
+    assert out.returncode == 2 and "--fraud-requests" in out.stderr
     out = _run([*url, "--window", "5", "--rate", "10"])
     assert out.returncode == 2 and "sends nothing" in out.stderr
     out = _run([*url, "--window", "1", "--client-metrics", "http://127.0.0.1:1/metrics", "--model", MODEL])
     assert out.returncode == 1 and "http://127.0.0.1:1/metrics did not answer" in out.stderr
+
+
+def test_bare_diagnose_watches_every_ready_model_for_the_default_window_and_sends_nothing(deployment, tmp_path):
+    """`scorestack diagnose --url X` and nothing else: passive over every ready model for the default
+    window; Triton counts no inference from it."""
+    from scorestack.cli.diagnose import DEFAULT_WINDOW_S
+
+    server, _, _ = deployment
+    before = {m: _stats(server, m) for m in (MODEL, CACHED)}
+    # In an empty folder: no ./model_repository with compile reports to read either.
+    out = subprocess.run([EXE, "diagnose", "--url", server.grpc_url, "--json"], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    after = {m: _stats(server, m) for m in (MODEL, CACHED)}
+    assert f"passive over every ready model for {DEFAULT_WINDOW_S:g} s, the default window" in out.stderr and "sending nothing" in out.stderr
+    assert "watching" in out.stderr
+    by_model = {d["model"]: d for d in json.loads(out.stdout)["models"]}
+    assert set(by_model) == {MODEL, CACHED}
+    for model, d in by_model.items():
+        delta = after[model] - before[model]
+        assert (delta.inference_count, delta.success.count, delta.fail.count, delta.execution_count) == (0, 0, 0, 0), model
+        assert d["mode"] == "passive" and d["requests"] == 0 and d["rows"] == 0 and d["decision"]["phase"] == "none"
+        assert d["window_s"] >= DEFAULT_WINDOW_S
 
 
 def test_restricted_statistics_take_the_admin_key_from_the_environment_only(deployment, server_environment):
@@ -401,6 +430,21 @@ def test_compute_decision_prints_a_recompile_command_the_compiler_accepts(deploy
     recompiled = CompileReport.model_validate_json((own_repo / MODEL / "report.json").read_text())
     assert recompiled.batch_profile is not None and recompiled.batch_profile.executions == {"1": 400}
     assert recompiled.batch_profile.requests == 400
+
+    # Triton spending 20x what the model measured per execution: the backend's overhead, which no
+    # format removes. Whether a queue delay could join requests depends on whether they overlap.
+    per_exec_ns = 400 * int(20 * max(c[1] for c in curves.values()) * 1e3)
+
+    def overhead_window(request_ns: int) -> ModelStats:
+        return ModelStats(MODEL, success=Duration(400, 400 * request_ns), compute_infer=Duration(400, per_exec_ns),
+                          inference_count=400, execution_count=400, batches={1: 400}, batch_infer_ns={1: per_exec_ns})  # fmt: skip
+
+    report_path = repo / MODEL / "report.json"
+    alone = decide_compute(0.8, overhead_window(2_000_000), report, report_path, own_repo, stats_file, window_s=10.0)  # 0.08 in Triton
+    assert alone.technique.startswith("fewer, fuller executions or a native backend") and alone.command is None
+    assert "rarely overlap (0.08 in Triton on average)" in alone.detail and "raise max_queue_delay" not in alone.detail
+    crowded = decide_compute(0.8, overhead_window(100_000_000), report, report_path, own_repo, stats_file, window_s=10.0)  # 4.0
+    assert "raise max_queue_delay_microseconds" in crowded.detail and "rarely overlap" not in crowded.detail
 
 
 def test_queue_and_feature_rules_turn_measurements_into_settings(deployment):
@@ -464,3 +508,96 @@ def test_response_cache_hits_are_counted_and_their_time_named(deployment):
     assert d["rows"] == 10 and d["executions"] == 10  # only the misses reached the model
     assert d["phases_ms"]["cache"] == pytest.approx((triton.cache_hit.ns + triton.cache_miss.ns) / 100 / 1e6, rel=1e-9)
     assert d["attributed_share"] == pytest.approx(sum(triton.phase_ns(p) for p in SERVER_PHASES) / triton.success.ns, rel=1e-9)
+
+
+def test_the_plain_text_table_names_every_phase_the_traffic_and_the_unattributed_rest():
+    """The default output (no --json): one row per named phase with its share, the unattributed rest,
+    the executed batch sizes, cache hits, queue-policy rejections and the decision; --json holds the same."""
+    from scorestack.client.diagnose import ModelContext, diagnose_model, render_diagnoses, to_json
+    from scorestack.client.server_stats import Duration, ModelStats
+
+    ms = 1_000_000  # ns
+    window = ModelStats(
+        "user_model", success=Duration(100, 100 * 2 * ms), fail=Duration(3, 3 * ms), queue=Duration(100, 100 * 1_200_000),
+        compute_input=Duration(100, 100 * 50_000), compute_infer=Duration(100, 100 * 600_000), compute_output=Duration(100, 100 * 50_000),
+        cache_hit=Duration(0, 0), inference_count=100, execution_count=60, batches={1: 20, 2: 40}, batch_infer_ns={1: 20 * ms, 2: 40 * ms},
+    )  # fmt: skip
+    ctx = ModelContext(config=None, report=None, report_path=Path("/nowhere/report.json"), repository=Path("/nowhere"), stats_file=None)
+    d = diagnose_model("passive", window, 10.0, ctx, failures={"REJECTED": 3})
+    assert d.phases_ms == pytest.approx({"queue": 1.2, "compute_input": 0.05, "compute_infer": 0.6, "compute_output": 0.05})
+    assert d.measured_ms == pytest.approx(2.0) and d.unattributed_ms == pytest.approx(0.1) and d.attributed_share == pytest.approx(0.95)
+    assert d.dominant == "queue" == d.decision.phase and d.rejected == 3 and d.cache_hit_rate == 0.0
+
+    lines = render_diagnoses([d]).splitlines()
+    assert lines[0] == "model user_model — passive, 10.0 s window, 100 requests"
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:8]}
+    assert rows["queue"] == ["1.200", "60.0%", "<-", "dominant"]
+    assert rows["compute_infer"] == ["0.600", "30.0%"] and rows["compute_input"] == rows["compute_output"] == ["0.050", "2.5%"]
+    assert rows["unattributed"] == ["0.100", "5.0%"]
+    assert rows["total"][:2] == ["2.000", "100%"] and "95.0% attributed to named phases" in lines[7]
+    assert "executed batch sizes (size: executions): 1: 20, 2: 40; 100 rows in 60 executions" in lines[8]
+    assert "response cache hits 0 (0%); failed 3, of them rejected by the queue policy 3" in lines[9]
+    assert lines[10].startswith("  decision: queue is 60% of the time -> ")
+
+    doc = json.loads(json.dumps(to_json([d], url="x:8001")))
+    (j,) = doc["models"]
+    assert j["unattributed_ms"] == pytest.approx(0.1) and j["batch_sizes"] == {"1": 20, "2": 40} and j["decision"]["phase"] == "queue"
+    # Without Triton's /metrics the rejections are unknown, and the table says how to know them.
+    unknown = diagnose_model("passive", window, 10.0, ctx)
+    assert unknown.rejected is None and "rejected by the queue policy unknown (pass --metrics-url)" in render_diagnoses([unknown])
+
+
+def test_exported_request_phases_read_back_as_the_means_of_the_window():
+    """A request path's histograms (any service: here a ranking path's phases) exported with
+    prometheus-client and scraped twice: the difference is exactly the window's requests."""
+    import http.server
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from scorestack.client.diagnose import client_named_phases
+    from scorestack.client.metrics import RequestMetrics, Scrape, serve
+    from scorestack.errors import InferenceError
+
+    registry = CollectorRegistry()
+    metrics = RequestMetrics(registry, service="ranking", model="user_ranker")
+    server, _ = serve(0, registry)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        metrics.observe({"validate": 9.0, "features": 9.0, "features_wait": 9.0, "assemble": 9.0, "infer": 9.0, "total": 45.0})  # before the window
+        before = Scrape.read(url)
+        window = [
+            {"validate": 0.1, "features": 1.5, "features_wait": 1.0, "assemble": 0.2, "infer": 2.0, "total": 3.5},
+            {"validate": 0.3, "features": 2.5, "features_wait": 2.0, "assemble": 0.4, "infer": 4.0, "total": 6.9},
+        ]
+        for timings in window:
+            metrics.observe(timings)
+        (service, means, n), = Scrape.read(url).minus(before).request_phases("user_ranker")
+    finally:
+        server.shutdown()
+    assert service == "ranking" and n == 2
+    assert means == pytest.approx({p: (window[0][p] + window[1][p]) / 2 for p in window[0]}, rel=1e-9)
+    # The client's own critical-path phases: the fetch's wait (not its overlapping duration); the Triton
+    # call (`infer`) is split with Triton's statistics instead.
+    assert client_named_phases(means) == pytest.approx({"validate": 0.2, "assemble": 0.3, "features": 1.5})
+    with pytest.raises(ValueError, match="'features'"):
+        metrics.observe({"features": -1.0})
+
+    class NotMetrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = b"<html><body>a dashboard, not metrics</body></html>\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # noqa: ANN002
+            pass
+
+    page = http.server.HTTPServer(("127.0.0.1", 0), NotMetrics)
+    threading.Thread(target=page.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(InferenceError, match=rf"metrics at http://127.0.0.1:{page.server_port}/: not Prometheus text"):
+            Scrape.read(f"http://127.0.0.1:{page.server_port}/")
+    finally:
+        page.shutdown()

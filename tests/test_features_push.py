@@ -3,6 +3,8 @@ change what the next fetch of that user returns (SQLite and Redis), and failures
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 import numpy as np
 import pytest
 
@@ -66,6 +68,33 @@ async def test_pushed_transaction_changes_the_next_fetch(repo):
     assert writer.count(VELOCITY_UPDATE.push_source, "pushed") == 2
     # An unknown user's counters were not read: nothing to add to, nothing written.
     assert VELOCITY_UPDATE.row(999_999, unknown, {"amount": 1.0}) is None
+
+
+async def test_pushed_values_age_like_stored_ones(repo):
+    """A pushed row carries its event's time: older than the view's ttl (velocity: 1 hour), the next
+    fetch reports it `stale` and counts it, like any stored value; stale counters are then no base
+    for another write-back."""
+    fs = store.feature_store(repo)
+    writer = FeatureWriter(store.feature_store(repo), timeout_s=5.0)
+    user = 50_101  # not among the repository's 60 users: only the push writes it
+    old = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(hours=2)
+    pushed = [np.float32(i + 0.5) for i in range(len(schema.FRAUD_USER_VELOCITY))]
+    row = {"user_id": [user], **{f: [v] for f, v in zip(schema.FRAUD_USER_VELOCITY, pushed)}, "event_timestamp": [old]}
+    async with FeatureFetcher(fs, timeout_s=5.0) as fetcher:
+        before = await fetcher.fetch("fraud", {"user_id": user})
+        assert writer.submit(VELOCITY_UPDATE.push_source, row)
+        await writer.drain()
+        after = await fetcher.fetch("fraud", {"user_id": user})
+        stale_count = fetcher.registry.get_sample_value("scorestack_feature_stale_total", {"feature_view": "user_txn_velocity"})
+    await writer.close()
+    assert writer.count(VELOCITY_UPDATE.push_source, "pushed") == 1
+    assert all(s is FeatureStatus.MISSING for s in before.feature_status().values())
+    status = after.feature_status()
+    assert all(status[f] is FeatureStatus.STALE for f in schema.FRAUD_USER_VELOCITY)
+    assert all(status[f] is FeatureStatus.MISSING for f in schema.FRAUD_USER_PROFILE)
+    np.testing.assert_array_equal(_velocity(after), np.float32(pushed))
+    assert not after.degraded and stale_count == len(schema.FRAUD_USER_VELOCITY)
+    assert VELOCITY_UPDATE.row(user, after, {"amount": 1.0}) is None
 
 
 async def test_failed_pushes_are_counted_and_never_raise(tmp_path, private_redis):

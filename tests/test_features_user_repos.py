@@ -343,7 +343,7 @@ async def test_string_and_compound_keys_two_entities_equal_feasts(request, onlin
     assert (result.values[online_rows, names.index("is_online")] == 1).all()
 
 
-@pytest.mark.parametrize(("online", "backend"), BACKENDS[:2])
+@pytest.mark.parametrize(("online", "backend"), BACKENDS)
 async def test_non_numeric_service_is_refused_by_name_others_served(request, online, backend):
     fs = _store(request, online)
     async with FeatureFetcher(fs, backend=backend, timeout_s=5.0) as fetcher:

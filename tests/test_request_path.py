@@ -16,7 +16,7 @@ from scorestack.demo import data as demo_data
 from scorestack.client.fraud import FraudService
 from scorestack.client.ranking import RankingService
 from scorestack.client.triton import TritonClient
-from scorestack.errors import InferenceError, RequestValidationError
+from scorestack.errors import FeatureError, InferenceError, InputValidationError, RequestValidationError
 from scorestack.features import store
 from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
@@ -295,16 +295,29 @@ def test_bad_fraud_input_names_the_field(loop, services, mutate, field):
     _, _, fraud, _ = services
     txn = _transaction(0, 3)
     mutate(txn)
-    with pytest.raises(RequestValidationError) as err:
+    # Request data: the one error type of scorestack.validation, caught as either parent.
+    with pytest.raises(InputValidationError) as err:
         loop.run_until_complete(fraud.score(txn))
     assert err.value.field == field and field in str(err.value)
+    assert isinstance(err.value, FeatureError) and isinstance(err.value, RequestValidationError)
 
 
 def test_bad_ranking_input_and_unknown_model(loop, services):
     client, fetcher, fraud, ranking = services
-    with pytest.raises(RequestValidationError, match="exceed the limit of 1000") as err:
-        loop.run_until_complete(ranking.rank(1, list(range(1, 1002)), _context()))
-    assert err.value.field == "candidate_ids"
+    # Request data is an InputValidationError wherever it is checked: caught as a FeatureError too.
+    for candidates, message in (
+        (list(range(1, 1002)), "exceed the limit of 1000"),
+        ([], "empty; send at least one candidate"),
+        ([4, 7, 4], "duplicate item id 4"),
+        ("1,2,3", "must be a list of item ids, got str"),
+    ):
+        with pytest.raises(FeatureError, match=message) as err:
+            loop.run_until_complete(ranking.rank(1, candidates, _context()))
+        assert isinstance(err.value, InputValidationError) and err.value.field == "candidate_ids"
+    for txn, field in (([("user_id", 1)], "transaction"), ({k: v for k, v in _transaction(0, 3).items() if k != "user_id"}, "user_id")):
+        with pytest.raises(FeatureError) as err:
+            loop.run_until_complete(fraud.score(txn))
+        assert isinstance(err.value, InputValidationError) and err.value.field == field
     with pytest.raises(RequestValidationError) as err:
         loop.run_until_complete(ranking.rank(1, [1, 2, "x"], _context()))
     assert err.value.field == "candidate_ids[2]"
@@ -343,7 +356,7 @@ def _malformed_transaction(draw):
 @given(txn=_malformed_transaction())
 def test_malformed_fraud_requests_get_errors(loop, services, txn):
     _, _, fraud, _ = services
-    with pytest.raises(RequestValidationError):
+    with pytest.raises(InputValidationError):
         loop.run_until_complete(fraud.score(txn))
 
 
@@ -378,7 +391,7 @@ def _malformed_ranking(draw):
 @given(request=_malformed_ranking())
 def test_malformed_ranking_requests_get_errors(loop, services, request):
     _, _, _, ranking = services
-    with pytest.raises(RequestValidationError):
+    with pytest.raises(InputValidationError):
         loop.run_until_complete(ranking.rank(*request))
 
 
@@ -481,14 +494,14 @@ def test_diagnosis_breaks_down_real_traffic(loop, services):
     assert b.dominant in diagnosis_line(b) and f"{b.p50_total_ms:.2f}" in diagnosis_line(b)
 
 
-def test_diagnose_command_against_running_stack(triton, feature_repo):
+def test_demo_diagnose_command_against_running_stack(triton, feature_repo):
     import subprocess
     import sys
     from pathlib import Path
 
     exe = Path(sys.executable).parent / "scorestack"
     out = subprocess.run(
-        [str(exe), "diagnose", "--url", triton.grpc_url, "--feature-repo", str(feature_repo), "--fraud-requests", "30",
+        [str(exe), "demo", "diagnose", "--url", triton.grpc_url, "--feature-repo", str(feature_repo), "--fraud-requests", "30",
          "--ranking-requests", "5", "--candidates", "50", "--users", str(N_USERS), "--items", str(N_ITEMS)],
         capture_output=True, text=True, timeout=300,
     )
@@ -497,7 +510,7 @@ def test_diagnose_command_against_running_stack(triton, feature_repo):
     assert "diagnosis fraud:" in out.stdout and "diagnosis ranking:" in out.stdout
     # The same demo traffic as JSON, with its request-phase metrics served while it runs.
     out = subprocess.run(
-        [str(exe), "diagnose", "--url", triton.grpc_url, "--feature-repo", str(feature_repo), "--fraud-requests", "12",
+        [str(exe), "demo", "diagnose", "--url", triton.grpc_url, "--feature-repo", str(feature_repo), "--fraud-requests", "12",
          "--ranking-requests", "3", "--candidates", "20", "--users", str(N_USERS), "--items", str(N_ITEMS), "--json", "--metrics-port", "0"],
         capture_output=True, text=True, timeout=300,
     )

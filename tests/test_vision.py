@@ -14,6 +14,9 @@ import pytest
 import yaml
 
 from scorestack import schema
+from prometheus_client import CollectorRegistry
+
+from scorestack.client.metrics import METRIC, RequestMetrics, Scrape, serve
 from scorestack.client.triton import TritonClient
 from scorestack.client.vision import VisionService
 from scorestack.compile import compile_model
@@ -105,17 +108,20 @@ def test_triton_returns_the_verified_class_for_every_held_out_image(compiled) ->
         expected[name] = session.run(None, {"images": X})[0].argmax(1)
         assert np.mean(expected[name] == holdout["y"]) == pytest.approx(next(c for c in r["candidates"] if c["status"] == "selected")["accuracy"])
 
+    # The vision path exports its phases like the fraud and ranking paths (for diagnose --client-metrics).
+    registry = CollectorRegistry()
+
     async def classify_all() -> dict[str, tuple[np.ndarray, list[dict]]]:
         out = {}
         async with TritonClient(server.grpc_url, deadline_s=10.0) as triton:
             for name in reports:
-                service = VisionService(triton, model=name)
+                service = VisionService(triton, model=name, metrics=RequestMetrics(registry, service="vision", model=name))
                 results = []
                 for i in range(len(X)):  # one image per request, raw uint8 [32, 32, 1]
                     results.append(await _classify(service, X[i]))
                 batched = await _classify(service, X[:70])  # split into requests of at most max_batch_size (32)
                 assert batched.requests == 3 and batched.classes.tolist() == [int(r.classes[0]) for r in results[:70]]
-                out[name] = (np.array([int(r.classes[0]) for r in results]), [r.timings_ms for r in results])
+                out[name] = (np.array([int(r.classes[0]) for r in results]), [r.timings_ms for r in (*results, batched)])
             with pytest.raises(RequestValidationError, match="uint8"):
                 await VisionService(triton, model=name).classify(X[:2].astype(np.float32))
             with pytest.raises(RequestValidationError, match=r"shape \[2, 32, 32\]"):
@@ -124,10 +130,24 @@ def test_triton_returns_the_verified_class_for_every_held_out_image(compiled) ->
 
     with LocalTriton(repository=repo) as server:
         served = asyncio.run(classify_all())
+    http, _ = serve(0, registry)
+    try:
+        scrape = Scrape.read(f"http://127.0.0.1:{http.server_port}/metrics")
+    finally:
+        http.shutdown()
     for name, (classes, timings) in served.items():
         assert len(classes) == len(X)
         np.testing.assert_array_equal(classes, expected[name])
         assert all({"validate", "infer", "decode", "total"} <= set(t) for t in timings)
+        # Exported: one observation per phase per request classified (each image, then the batch of 70),
+        # summing to the timings the requests returned.
+        assert len(timings) == len(X) + 1
+        for phase in ("validate", "infer", "decode", "total"):
+            labels = (("model", name), ("phase", phase), ("service", "vision"))
+            assert scrape.samples[(f"{METRIC}_count", labels)] == len(timings), (name, phase)
+            assert scrape.samples[(f"{METRIC}_sum", labels)] == pytest.approx(sum(t[phase] for t in timings) / 1e3, rel=1e-9)
+        ((service, means, n),) = scrape.request_phases(name)
+        assert service == "vision" and n == len(timings) and set(means) == {"validate", "infer", "decode", "total"}
 
 
 async def _classify(service: VisionService, images: np.ndarray):
