@@ -1,7 +1,8 @@
 """The fraud model every peer serves: the demo XGBoost, trained and compiled through scorestack's public API.
 
-Returns the source XGBoost JSON, the compiled ONNX artifact, the feature names and the compiled
-model folder (config.pbtxt with the derived dynamic batching) in the benchmark workspace.
+Returns the source XGBoost JSON, an ONNX artifact of it verified by the compiler (the served one when
+the served version holds one, else the model compiled to ONNX alone), the feature names and the
+compiled model folder (config.pbtxt with the derived dynamic batching) in the benchmark workspace.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class FraudModel:
     xgb_json: Path          # the trained XGBoost model (the source file of the spec)
-    onnx: Path              # the compiled artifact scorestack serves (ONNX)
+    onnx: Path              # an ONNX artifact of the model, verified by the compiler (for the onnxruntime peer)
     model_dir: Path         # <repository>/fraud_xgb: config.pbtxt + version folder
     features: tuple[str, ...]
     report: dict            # the compile report (format, threads, derived batching)
@@ -33,21 +34,40 @@ def prepare(workspace: Path, recompile: bool = False) -> FraudModel:
     model_dir = repository / "fraud_xgb"
     return FraudModel(
         xgb_json=workspace / "models" / "fraud_xgb.json",
-        onnx=_served_onnx(model_dir),
+        onnx=_served_onnx(model_dir) or _compiled_onnx(specs["fraud_xgb"], workspace, recompile),
         model_dir=model_dir,
         features=tuple(schema.FRAUD_FEATURES),
         report=json.loads((model_dir / "report.json").read_text()) if (model_dir / "report.json").exists() else {},
     )
 
 
-def _served_onnx(model_dir: Path) -> Path:
+def _served_onnx(model_dir: Path) -> Path | None:
+    """The ONNX artifact of the served version (a dispatch may hold one), or None."""
     versions = sorted((p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     if not versions:
         raise FileNotFoundError(f"{model_dir}: no version folder; compile the fraud model first")
     onnx = sorted(versions[-1].rglob("*.onnx"))
-    if not onnx:
-        raise FileNotFoundError(f"{versions[-1]}: the compiled fraud model holds no .onnx artifact (files: {sorted(p.name for p in versions[-1].iterdir())})")
-    return onnx[0]
+    return onnx[0] if onnx else None
+
+
+def _compiled_onnx(spec_path: Path, workspace: Path, recompile: bool) -> Path:
+    """The same model compiled to ONNX alone (verified like every candidate), for the FastAPI +
+    onnxruntime peer, when the served version holds no ONNX artifact (e.g. the tree kernel alone)."""
+    import yaml
+
+    from scorestack.compile import compile_model
+
+    spec = yaml.safe_load(spec_path.read_text())
+    spec.update(name="fraud_xgb_onnx", formats=["onnx"])
+    spec.setdefault("serving", {})["dispatch"] = False
+    derived = spec_path.with_name("fraud_xgb_onnx.yaml")
+    derived.write_text(yaml.safe_dump(spec))
+    repository = workspace / "onnx_repository"
+    compile_model(derived, repository, force=recompile, serve_check=False)
+    onnx = _served_onnx(repository / "fraud_xgb_onnx")
+    if onnx is None:
+        raise FileNotFoundError(f"{repository / 'fraud_xgb_onnx'}: compiling the fraud model to ONNX wrote no .onnx artifact")
+    return onnx
 
 
 if __name__ == "__main__":
