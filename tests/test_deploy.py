@@ -7,12 +7,14 @@ import fnmatch
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
 import sys
 import time
 import tomllib
+import urllib.error
 import urllib.request
 from pathlib import Path, PurePosixPath
 
@@ -27,11 +29,17 @@ import yaml
 from scorestack import schema
 from scorestack.serve import LocalTriton
 from scorestack.serve.environment import RUNTIME_REQUIREMENTS_FILE, SERVER_REQUIREMENTS, TRITON_WHEEL, read_requirements, requirements_hash
-from scorestack.serve.security import ADMIN_KEY_ENV, ADMIN_KEY_HEADER, RESTRICTED_APIS, AdminKey
+from scorestack.serve.security import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, ADMIN_KEY_HEADER, KEY_FD_ENV, KEY_PLACEHOLDER_ENV, RESTRICTED_APIS, AdminKey
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 TEST_KEY = "deploy-test-key-0123456789abcdef"
+# What the compose tests give as the host's key file (compose only names it: nothing reads it).
+TEST_KEY_FILE = "/home/operator/.config/scorestack/admin.key"
+TRITON_DIR = ROOT / "deploy" / "triton"
+ENTRYPOINT = TRITON_DIR / "entrypoint.sh"
+# Where the compose secret and the Kubernetes Secret volume put the key inside the containers.
+COMPOSE_KEY_PATH = "/run/secrets/scorestack_admin_key"
 # The Kubernetes API versions the manifests must validate against: an older supported one and the
 # newest that kubernetes-validate bundles.
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
@@ -72,7 +80,7 @@ def interpolate(value: object, env: dict[str, str]) -> object:
 
 def compose(env: dict[str, str] | None = None) -> dict:
     raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    return interpolate(raw, {ADMIN_KEY_ENV: TEST_KEY} if env is None else env)  # type: ignore[return-value]
+    return interpolate(raw, {ADMIN_KEY_FILE_ENV: TEST_KEY_FILE} if env is None else env)  # type: ignore[return-value]
 
 
 def scorestack_commands(entrypoint: list[str] | None, command: list[str] | str) -> list[list[str]]:
@@ -176,7 +184,8 @@ def test_triton_image_installs_exactly_the_server_environments_pins():
 
 
 def test_triton_base_image_runs_the_runtime_pins():
-    (base,) = [rest for op, rest in dockerfile_instructions(ROOT / "deploy" / "triton" / "Dockerfile") if op == "FROM"]
+    *builders, base = [rest for op, rest in dockerfile_instructions(ROOT / "deploy" / "triton" / "Dockerfile") if op == "FROM"]
+    assert builders == ["python:3.11.7-slim-bookworm AS keyshim"], builders  # the key-handoff library's build stage
     m = re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d\d\.\d\d)-py3", base)
     assert m, f"the Triton image must be an official tritonserver release, pinned: {base}"
     release = m.group(1)
@@ -296,8 +305,8 @@ def test_compose_config_with_debians_docker_compose(tmp_path):
     profiles = ["--profile", "demo", "--profile", "gpu", "--profile", "train"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SCORESTACK_")}
 
-    def config(*args: str, key: str | None = TEST_KEY) -> subprocess.CompletedProcess:
-        extra = {ADMIN_KEY_ENV: key} if key is not None else {}
+    def config(*args: str, key: str | None = TEST_KEY_FILE) -> subprocess.CompletedProcess:
+        extra = {ADMIN_KEY_FILE_ENV: key} if key is not None else {}
         return subprocess.run([exe, "--project-directory", str(ROOT), "-f", str(ROOT / "docker-compose.yml"), *profiles, "config", *args],
                               capture_output=True, text=True, timeout=120, env={**env, **extra}, cwd=ROOT)
 
@@ -306,7 +315,12 @@ def test_compose_config_with_debians_docker_compose(tmp_path):
     rendered = yaml.safe_load(ok.stdout)
     assert set(rendered["services"]) == set(compose()["services"])
     assert rendered["services"]["triton"]["depends_on"]["compile"]["condition"] == "service_completed_successfully"
-    assert f"{ADMIN_KEY_HEADER}={TEST_KEY}" in rendered["services"]["triton"]["command"][-1]
+    # The key as a file secret, mounted where the services' SCORESTACK_ADMIN_KEY_FILE points; in no command.
+    assert rendered["secrets"] == {"scorestack_admin_key": {"file": TEST_KEY_FILE}}
+    for name in ("triton", "triton-gpu", "demo"):
+        svc = rendered["services"][name]
+        assert svc["secrets"] == [{"source": "scorestack_admin_key"}] and svc["environment"][ADMIN_KEY_FILE_ENV] == COMPOSE_KEY_PATH, name
+        assert not any("restricted" in a or ADMIN_KEY_HEADER in a for a in svc["command"]), name
     # Its interpolation: every port on 127.0.0.1, Triton's on the clients' defaults.
     for name, svc in rendered["services"].items():
         for port in svc.get("ports", []):
@@ -314,13 +328,13 @@ def test_compose_config_with_debians_docker_compose(tmp_path):
     assert rendered["services"]["triton"]["ports"] == ["127.0.0.1:8000:8000/tcp", "127.0.0.1:8001:8001/tcp", "127.0.0.1:8002:8002/tcp"]
     # Without the key it refuses, naming the variable.
     bad = config(key=None)
-    assert bad.returncode != 0 and "set SCORESTACK_ADMIN_KEY" in bad.stderr, bad.stderr
+    assert bad.returncode != 0 and "set SCORESTACK_ADMIN_KEY_FILE to a file holding the admin key" in bad.stderr, bad.stderr
     # The real parser is live: a misspelled service key is refused.
     broken = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     broken["services"]["triton"]["helthcheck"] = broken["services"]["triton"].pop("healthcheck")
     tmp = tmp_path / "docker-compose.yml"
     tmp.write_text(yaml.safe_dump(broken))
-    out = subprocess.run([exe, "--project-directory", str(ROOT), "-f", str(tmp), "config", "-q"], capture_output=True, text=True, timeout=120, env={**env, ADMIN_KEY_ENV: TEST_KEY})
+    out = subprocess.run([exe, "--project-directory", str(ROOT), "-f", str(tmp), "config", "-q"], capture_output=True, text=True, timeout=120, env={**env, ADMIN_KEY_FILE_ENV: TEST_KEY_FILE})
     assert out.returncode != 0 and "helthcheck" in out.stderr, out.stderr
 
 
@@ -341,17 +355,29 @@ def test_compose_documents_a_demo_run_prometheus_can_find():
 
 
 def test_compose_refuses_to_start_without_an_admin_key_and_holds_no_secret():
-    with pytest.raises(ValueError, match="SCORESTACK_ADMIN_KEY"):
+    with pytest.raises(ValueError, match="SCORESTACK_ADMIN_KEY_FILE"):
         compose(env={})
     text = (ROOT / "docker-compose.yml").read_text()
-    assert TEST_KEY not in text
-    for m in re.finditer(rf"{ADMIN_KEY_HEADER}=(\S+)", text):
-        assert m.group(1).startswith("${SCORESTACK_ADMIN_KEY:?"), m.group(0)
-    services = compose()["services"]
-    want = AdminKey(TEST_KEY).triton_args(RESTRICTED_APIS)
+    assert TEST_KEY not in text and f"{ADMIN_KEY_HEADER}=" not in text
+    doc = compose()
+    assert doc["secrets"] == {"scorestack_admin_key": {"file": TEST_KEY_FILE}}
+    services = doc["services"]
+    # The key is in no command and no environment value (`ps` and `docker inspect` show both): the
+    # services that use it (Triton restricts its admin APIs to it; the demo reads statistics) get
+    # the file, readable through the host user's group.
+    for name, svc in services.items():
+        env = svc.get("environment", {})
+        assert ADMIN_KEY_ENV not in env and not any("restricted" in a for a in _words(svc.get("command", []))), name
+        if name in ("triton", "triton-gpu", "demo"):
+            assert svc["secrets"] == ["scorestack_admin_key"] and env == {ADMIN_KEY_FILE_ENV: COMPOSE_KEY_PATH}, name
+            assert svc["group_add"] == ["1000"], name
+        else:
+            assert "secrets" not in svc and ADMIN_KEY_FILE_ENV not in env, name
+    assert compose({ADMIN_KEY_FILE_ENV: TEST_KEY_FILE, "SCORESTACK_GID": "1234"})["services"]["triton"]["group_add"] == ["1234"]
+    # Triton's command is tritonserver's options: the image's entry point adds the restricted-API
+    # flags (test_triton_entrypoint_* below run it).
     for name in ("triton", "triton-gpu"):
-        flags = [a for a in services[name]["command"] if "restricted" in a]
-        assert flags == want, f"{name}: {flags}"
+        assert services[name]["command"][0] == "tritonserver" and "build" in services[name], name
 
 
 def test_compose_services_order_and_health():
@@ -382,7 +408,7 @@ def test_compose_ports_are_loopback_and_the_clients_defaults():
     for name, svc in s.items():
         for mapping in svc.get("ports", []):
             assert host_port(mapping)[0] == "127.0.0.1", f"{name}: {mapping} is not bound to 127.0.0.1 by default"
-    opened = compose({ADMIN_KEY_ENV: TEST_KEY, "SCORESTACK_BIND": "0.0.0.0"})["services"]
+    opened = compose({ADMIN_KEY_FILE_ENV: TEST_KEY_FILE, "SCORESTACK_BIND": "0.0.0.0"})["services"]
     assert host_port(opened["triton"]["ports"][0])[0] == "0.0.0.0"
 
     triton = {c: h for _, h, c in map(host_port, s["triton"]["ports"])}
@@ -472,16 +498,20 @@ def test_k8s_triton_deployment():
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    # The key: from a Secret, expanded by Kubernetes into Triton's flags.
-    (env,) = [e for e in c["env"] if e["name"] == ADMIN_KEY_ENV]
-    assert set(env["valueFrom"]) == {"secretKeyRef"}
-    spec = f"{','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}=$({ADMIN_KEY_ENV})"
-    assert [a for a in c["args"] if "restricted" in a] == [f"--grpc-restricted-protocol={spec}", f"--http-restricted-api={spec}"]
+    # The key: the Secret scorestack-admin-key mounted as a file that SCORESTACK_ADMIN_KEY_FILE names,
+    # readable by Triton's user only (root-owned, group fsGroup, 0440); in no args and no env value.
+    assert c["env"] == [{"name": ADMIN_KEY_FILE_ENV, "value": "/run/secrets/scorestack/key"}]
+    assert not any("restricted" in a or ADMIN_KEY_HEADER in a for a in c["args"])
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/run/secrets/scorestack"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert mount["readOnly"] is True
+    assert volume["secret"] == {"secretName": "scorestack-admin-key", "items": [{"key": "key", "path": "key"}], "defaultMode": 0o440}
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"] == 1000
+    assert "command" not in c, "the image's entry point (entrypoint.sh) must run, it adds the restricted-API flags"
     assert c["args"][0] == "tritonserver" and "--model-repository=/models" in c["args"]
     assert pod["securityContext"]["runAsNonRoot"] is True
-    # Compose and Kubernetes run Triton with the same flags (bar the key's spelling).
-    compose_flags = [a.replace(TEST_KEY, f"$({ADMIN_KEY_ENV})") for a in compose()["services"]["triton"]["command"]]
-    assert c["args"] == compose_flags
+    # Compose and Kubernetes run Triton with the same flags, and take the key the same way.
+    assert c["args"] == compose()["services"]["triton"]["command"]
 
 
 def test_k8s_images_are_pinned_and_commands_real():
@@ -561,6 +591,209 @@ def test_hpa_reads_the_adapters_metric():
     assert _metric_names(_adapter_query()) == {"nv_inference_queue_duration_us", "nv_inference_request_success"}
     assert _metric_names(rule["seriesQuery"]) == {"nv_inference_queue_duration_us"}
     assert re.fullmatch(rule["name"]["matches"], "nv_inference_queue_duration_us")
+
+
+# --- the Triton image's entry point: the admin key without a command line --------------------------------
+
+
+def test_triton_image_builds_the_key_shim_and_runs_the_entrypoint():
+    """The image compiles the same C source `scorestack serve` builds (serve/keyshim.c) and puts the library
+    and entrypoint.sh where the script looks; its ENTRYPOINT runs the script after NVIDIA's."""
+    steps = dockerfile_instructions(TRITON_DIR / "Dockerfile")
+    copies = [rest.split() for op, rest in steps if op == "COPY"]
+    assert ["serve/keyshim.c", "/src/keyshim.c"] in copies
+    assert ("RUN", "gcc -shared -fPIC -O2 -o /src/keyshim.so /src/keyshim.c") in steps
+    assert ["--from=keyshim", "/src/keyshim.so", "/opt/scorestack/keyshim.so"] in copies
+    assert ["deploy/triton/entrypoint.sh", "/opt/scorestack/entrypoint.sh"] in copies
+    for src in ("serve/keyshim.c", "deploy/triton/entrypoint.sh"):
+        assert (ROOT / src).is_file() and not dockerignored(src), src
+    assert ("ENTRYPOINT", '["/opt/nvidia/nvidia_entrypoint.sh", "/opt/scorestack/entrypoint.sh"]') in steps
+    assert any(op == "RUN" and "chmod 0755 /opt/scorestack/entrypoint.sh" in rest for op, rest in steps)
+    # The builder installs the compiler (and nothing is pip-installed there).
+    builder = steps[: next(i for i, (op, rest) in enumerate(steps) if op == "FROM" and rest.startswith("nvcr.io/"))]
+    assert any(op == "RUN" and "apt-get install" in rest and " gcc" in rest for op, rest in builder)
+    script = ENTRYPOINT.read_text()
+    assert script.startswith("#!/bin/bash\n") and 'SHIM="${SCORESTACK_KEYSHIM:-/opt/scorestack/keyshim.so}"' in script
+    assert os.access(ENTRYPOINT, os.X_OK)
+    from scorestack.serve.security import key_shim_source
+
+    assert key_shim_source() == (ROOT / "serve" / "keyshim.c").read_text()
+
+
+def _fake_tritonserver(bin_dir: Path) -> Path:
+    """A `tritonserver` that prints what main() gets, what ps shows, and its environment."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    fake = bin_dir / "tritonserver"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do printf "ARG %s\\n" "$a"; done\n'
+        'printf "CMDLINE %s\\n" "$(tr "\\0" " " < /proc/$$/cmdline)"\n'
+        'tr "\\0" "\\n" < /proc/$$/environ | sed "s/^/ENVIRON /"\n'
+        'env | sed "s/^/ENV /"\n'
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+def _entrypoint(args: list[str], env: dict[str, str], bin_dir: Path) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SCORESTACK_")}
+    full = {**base, "PATH": f"{bin_dir}:{base.get('PATH', '/usr/bin:/bin')}", **env}
+    return subprocess.run(["bash", str(ENTRYPOINT), *args], env=full, capture_output=True, text=True, timeout=30)
+
+
+def _lines(out: str, tag: str) -> list[str]:
+    return [line.removeprefix(tag + " ") for line in out.splitlines() if line.startswith(tag + " ")]
+
+
+@pytest.fixture(scope="module")
+def key_shim(tmp_path_factory) -> Path:
+    from scorestack.serve.security import build_key_shim
+
+    return build_key_shim(tmp_path_factory.mktemp("keyshim"))
+
+
+def test_triton_entrypoint_hands_the_key_over_without_a_command_line(tmp_path, key_shim):
+    """entrypoint.sh, run for real with the real library (built from serve/keyshim.c) and a stand-in
+    tritonserver: main() gets exactly AdminKey.triton_args(RESTRICTED_APIS); the command line and the
+    environment hold only a random placeholder; the key comes from the file or from the env var."""
+    fake = _fake_tritonserver(tmp_path / "bin")
+    key = AdminKey(secrets.token_urlsafe(32))
+    key_file = tmp_path / "admin.key"
+    key_file.write_text(f"  {key.value}\n")  # as AdminKey: surrounding whitespace does not count
+    key_file.chmod(0o640)
+    user_args = ["--model-repository=/models", "--model-control-mode=explicit"]
+    want = [*user_args, *key.triton_args(RESTRICTED_APIS)]
+    placeholders = set()
+    for how, env, args in (
+        ("file", {ADMIN_KEY_FILE_ENV: str(key_file)}, ["tritonserver", *user_args]),  # as compose and Kubernetes run it
+        ("env", {ADMIN_KEY_ENV: key.value}, user_args),
+    ):
+        done = _entrypoint(args, {**env, "SCORESTACK_KEYSHIM": str(key_shim), "LD_PRELOAD": "libc.so.6"}, fake.parent)
+        assert done.returncode == 0, (how, done.stderr)
+        assert _lines(done.stdout, "ARG") == want, how  # what tritonserver's main() parses
+        (cmdline,) = _lines(done.stdout, "CMDLINE")  # what ps shows
+        placeholder = re.search(r"scorestack-admin-key=(scorestack-key-placeholder-[0-9a-f]{32})( |$)", cmdline).group(1)
+        assert cmdline.split()[2:] == [a.replace(key.value, placeholder) for a in want], how
+        placeholders.add(placeholder)
+        environ, env_after = _lines(done.stdout, "ENVIRON"), _lines(done.stdout, "ENV")
+        assert not any(key.value in v for v in environ + env_after + [cmdline]), how
+        names = {v.split("=", 1)[0] for v in environ}
+        assert not names & {ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, "SCORESTACK_KEYSHIM"}, (how, names)
+        # The library's variables are gone for children; the caller's LD_PRELOAD stays.
+        after = dict(v.split("=", 1) for v in env_after)
+        assert KEY_FD_ENV not in after and KEY_PLACEHOLDER_ENV not in after and after["LD_PRELOAD"] == "libc.so.6", (how, after)
+        assert key.value not in done.stderr
+    assert len(placeholders) == 2, "a new random placeholder each start"
+
+
+def test_triton_entrypoint_refuses_to_start_without_a_usable_key(tmp_path, key_shim):
+    fake = _fake_tritonserver(tmp_path / "bin")
+    shim = {"SCORESTACK_KEYSHIM": str(key_shim)}
+    key = secrets.token_urlsafe(32)
+
+    def refused(args: list[str], env: dict[str, str]) -> str:
+        done = _entrypoint(args, env, fake.parent)
+        assert done.returncode == 78 and "ARG" not in done.stdout, (args, env, done.stdout, done.stderr)
+        return done.stderr
+
+    assert "no admin key: set SCORESTACK_ADMIN_KEY_FILE" in refused(["--model-repository=/models"], shim)
+    assert "does not exist" in refused([], {**shim, ADMIN_KEY_FILE_ENV: str(tmp_path / "missing.key")})
+    short = tmp_path / "short.key"
+    short.write_text("too-short\n")
+    assert "must be at least 16 URL-safe characters" in refused([], {**shim, ADMIN_KEY_FILE_ENV: str(short)})
+    assert "must be at least 16 URL-safe characters" in refused([], {**shim, ADMIN_KEY_ENV: "a:b=c" + key})
+    assert "set only one" in refused([], {**shim, ADMIN_KEY_ENV: key, ADMIN_KEY_FILE_ENV: str(short)})
+    # Without the library Triton would answer to the placeholder ps shows: no start.
+    assert "handoff library /nonexistent/keyshim.so is missing" in refused([], {"SCORESTACK_KEYSHIM": "/nonexistent/keyshim.so", ADMIN_KEY_ENV: key})
+    not_a_library = tmp_path / "keyshim.so"
+    not_a_library.write_text("not an ELF file\n")
+    assert f"handoff library {not_a_library} does not load" in refused([], {"SCORESTACK_KEYSHIM": str(not_a_library), ADMIN_KEY_ENV: key})
+    # A key on the command line, or another command, is refused too.
+    assert "drop '--http-restricted-api' from the command" in refused([f"--http-restricted-api=trace:{ADMIN_KEY_HEADER}={key}"], {**shim, ADMIN_KEY_ENV: key})
+    assert "not a command: 'bash'" in refused(["bash"], {**shim, ADMIN_KEY_ENV: key})
+    # The explicit opt-out: starts with the admin APIs open, and says so.
+    # (The leading word may be tritonserver's path: Triton's entrypoint.d puts it there in Vertex AI mode.)
+    done = _entrypoint(["/opt/tritonserver/bin/tritonserver", "--model-repository=/models"], {**shim, "SCORESTACK_ALLOW_OPEN_ADMIN": "1"}, fake.parent)
+    assert done.returncode == 0 and _lines(done.stdout, "ARG") == ["--model-repository=/models"], done.stderr
+    assert "WARNING: no admin key" in done.stderr
+
+
+def _index(http_port: int, headers: dict[str, str]) -> int:
+    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/repository/index", data=b"{}", method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_triton_entrypoint_restricts_the_real_tritonserver_to_the_key_file(tmp_path, key_shim, server_environment):
+    """entrypoint.sh starting the real tritonserver (the server environment's, standing in for the image's)
+    with the key from a file, as compose and Kubernetes give it: the repository API refuses no key and
+    the placeholder ps shows, and opens to the key; no process's command line holds the key."""
+    from scorestack.serve.server import free_port
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "tritonserver").symlink_to(server_environment.tritonserver)
+    key = AdminKey(secrets.token_urlsafe(32))
+    key_file = tmp_path / "admin.key"
+    key_file.write_text(key.value + "\n")
+    key_file.chmod(0o640)
+    (tmp_path / "models").mkdir()
+    h, g, m = free_port(), free_port(), free_port()
+    env = {k: v for k, v in server_environment.launch_env().items() if not k.startswith("SCORESTACK_")}
+    env.update({"PATH": f"{bin_dir}:{env['PATH']}", ADMIN_KEY_FILE_ENV: str(key_file), "SCORESTACK_KEYSHIM": str(key_shim)})
+    args = [
+        "tritonserver", f"--model-repository={tmp_path / 'models'}", "--model-control-mode=explicit",
+        "--http-address=127.0.0.1", f"--http-port={h}", "--grpc-address=127.0.0.1", f"--grpc-port={g}",
+        "--metrics-address=127.0.0.1", f"--metrics-port={m}", "--allow-gpu-metrics=false",
+    ]
+    with open(tmp_path / "tritonserver.log", "wb") as log:
+        proc = subprocess.Popen(["bash", str(ENTRYPOINT), *args], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        ready = False
+        while time.monotonic() < deadline and proc.poll() is None and not ready:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{h}/v2/health/ready", timeout=1) as r:
+                    ready = r.status == 200
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.1)
+        assert ready, (tmp_path / "tritonserver.log").read_text()[-2000:]
+        # The script exec'd tritonserver: same process, whose command line ends with the flags, placeholder in.
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+        assert Path(cmdline[0]).name == "tritonserver" and cmdline[1:-2] == args[1:]
+        placeholder = cmdline[-1].rpartition("=")[2]
+        assert placeholder.startswith("scorestack-key-placeholder-")
+        assert cmdline[-2:] == AdminKey(placeholder).triton_args(RESTRICTED_APIS)
+        holders = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if key.value.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                        holders.append(int(entry))
+                except OSError:
+                    pass
+        assert holders == []
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+        assert key.value.encode() not in environ and f"{ADMIN_KEY_FILE_ENV}=".encode() not in environ
+        assert (_index(h, {}), _index(h, {ADMIN_KEY_HEADER: placeholder}), _index(h, key.http_headers)) == (403, 403, 200)
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{g}")
+        try:
+            with pytest.raises(InferenceServerException, match="restricted"):
+                client.get_model_repository_index(client_timeout=5)
+            assert list(client.get_model_repository_index(headers=key.grpc_headers, client_timeout=5).models) == []
+            assert client.is_server_live(client_timeout=5)  # health stays open
+        finally:
+            client.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert key.value not in (tmp_path / "tritonserver.log").read_text(errors="replace")
 
 
 # --- for real: the repository `scorestack compile` writes, served by the local Triton ----------------------
