@@ -26,6 +26,8 @@ import pytest
 import typer
 import yaml
 
+from restricted_triton import assert_restricted_to, cmdlines, wait_ready
+
 from scorestack import schema
 from scorestack.serve import LocalTriton
 from scorestack.serve.environment import RUNTIME_REQUIREMENTS_FILE, SERVER_REQUIREMENTS, TRITON_WHEEL, read_requirements, requirements_hash
@@ -718,15 +720,6 @@ def test_triton_entrypoint_refuses_to_start_without_a_usable_key(tmp_path, key_s
     assert "WARNING: no admin key" in done.stderr
 
 
-def _index(http_port: int, headers: dict[str, str]) -> int:
-    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/repository/index", data=b"{}", method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
 def test_triton_entrypoint_restricts_the_real_tritonserver_to_the_key_file(tmp_path, key_shim, server_environment):
     """entrypoint.sh starting the real tritonserver (the server environment's, standing in for the image's)
     with the key from a file, as compose and Kubernetes give it: the repository API refuses no key and
@@ -752,44 +745,17 @@ def test_triton_entrypoint_restricts_the_real_tritonserver_to_the_key_file(tmp_p
     with open(tmp_path / "tritonserver.log", "wb") as log:
         proc = subprocess.Popen(["bash", str(ENTRYPOINT), *args], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        ready = False
-        while time.monotonic() < deadline and proc.poll() is None and not ready:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{h}/v2/health/ready", timeout=1) as r:
-                    ready = r.status == 200
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.1)
-        assert ready, (tmp_path / "tritonserver.log").read_text()[-2000:]
+        wait_ready(h, proc, tmp_path / "tritonserver.log")
         # The script exec'd tritonserver: same process, whose command line ends with the flags, placeholder in.
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
         assert Path(cmdline[0]).name == "tritonserver" and cmdline[1:-2] == args[1:]
         placeholder = cmdline[-1].rpartition("=")[2]
         assert placeholder.startswith("scorestack-key-placeholder-")
         assert cmdline[-2:] == AdminKey(placeholder).triton_args(RESTRICTED_APIS)
-        holders = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    if key.value.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                        holders.append(int(entry))
-                except OSError:
-                    pass
-        assert holders == []
+        assert [pid for pid, cmd in cmdlines().items() if key.value.encode() in cmd] == []
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
         assert key.value.encode() not in environ and f"{ADMIN_KEY_FILE_ENV}=".encode() not in environ
-        assert (_index(h, {}), _index(h, {ADMIN_KEY_HEADER: placeholder}), _index(h, key.http_headers)) == (403, 403, 200)
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException
-
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{g}")
-        try:
-            with pytest.raises(InferenceServerException, match="restricted"):
-                client.get_model_repository_index(client_timeout=5)
-            assert list(client.get_model_repository_index(headers=key.grpc_headers, client_timeout=5).models) == []
-            assert client.is_server_live(client_timeout=5)  # health stays open
-        finally:
-            client.close()
+        assert_restricted_to(key, placeholder, h, g)
     finally:
         proc.terminate()
         proc.wait(30)

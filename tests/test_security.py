@@ -21,6 +21,7 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from conftest import ServeOutput
+from restricted_triton import assert_restricted_to, cmdlines, wait_ready
 
 from scorestack import limits, schema
 from scorestack.demo import data as demo_data
@@ -308,17 +309,6 @@ def test_triton_rows_limit_is_the_same_number():
 # --- the key never shows: command lines, logs, reports -------------------------------------------------
 
 
-def _cmdlines() -> dict[int, bytes]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                out[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                pass
-    return out
-
-
 def _children(pid: int) -> list[int]:
     try:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -359,7 +349,7 @@ def test_no_command_line_log_or_report_of_scorestack_holds_the_key(fraud_model, 
         assert refused.returncode != 0 and "no admin key was sent" in refused.stdout + refused.stderr, refused.stdout + refused.stderr
         # While serving: which processes hold the key in their command line?
         triton = _children(serve.pid)
-        holders = {pid for pid, cmd in _cmdlines().items() if key.encode() in cmd}
+        holders = {pid for pid, cmd in cmdlines().items() if key.encode() in cmd}
         swap = subprocess.run(
             [SCORESTACK, "compile", str(spec2), "--repository", str(repo), "--serve-url", url, "--force", "--no-serve-check"],
             capture_output=True, text=True, timeout=600, env=dict(client_env, **{ADMIN_KEY_ENV: key}),
@@ -448,34 +438,10 @@ def test_tritonserver_restricted_by_a_key_it_never_had_on_its_command_line(serve
         proc = subprocess.Popen(handoff.args, env=env, pass_fds=(handoff.read_fd,), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     handoff.close()
     try:
-        deadline = time.monotonic() + 60
-        ready = False
-        while time.monotonic() < deadline and proc.poll() is None and not ready:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{h}/v2/health/ready", timeout=1) as r:
-                    ready = r.status == 200
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.1)
-        assert ready, (tmp_path / "tritonserver.log").read_text()[-2000:]
-        holders = {pid for pid, cmd in _cmdlines().items() if key.value.encode() in cmd}
+        wait_ready(h, proc, tmp_path / "tritonserver.log")
+        holders = {pid for pid, cmd in cmdlines().items() if key.value.encode() in cmd}
         assert holders == set() and key.value.encode() not in Path(f"/proc/{proc.pid}/environ").read_bytes()
-
-        def index(headers: dict[str, str]) -> int:
-            req = urllib.request.Request(f"http://127.0.0.1:{h}/v2/repository/index", data=b"{}", method="POST", headers=headers)
-            try:
-                with urllib.request.urlopen(req, timeout=5) as r:
-                    return r.status
-            except urllib.error.HTTPError as exc:
-                return exc.code
-
-        placeholder = handoff.env[KEY_PLACEHOLDER_ENV]
-        assert (index({}), index({ADMIN_KEY_HEADER: placeholder}), index(key.http_headers)) == (403, 403, 200)
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{g}")
-        with pytest.raises(InferenceServerException, match="restricted"):
-            client.get_model_repository_index(client_timeout=5)
-        assert list(client.get_model_repository_index(headers=key.grpc_headers, client_timeout=5).models) == []
-        assert client.is_server_live(client_timeout=5)  # health stays open
-        client.close()
+        assert_restricted_to(key, handoff.env[KEY_PLACEHOLDER_ENV], h, g)
     finally:
         proc.terminate()
         proc.wait(30)

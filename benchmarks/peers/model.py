@@ -30,7 +30,7 @@ def prepare(workspace: Path, recompile: bool = False) -> FraudModel:
     workspace.mkdir(parents=True, exist_ok=True)
     specs = {p.stem: p for p in train_demo_models(workspace / "models")}
     repository = workspace / "model_repository"
-    report = compile_model(specs["fraud_xgb"], repository, force=recompile)
+    compile_model(specs["fraud_xgb"], repository, force=recompile)
     model_dir = repository / "fraud_xgb"
     return FraudModel(
         xgb_json=workspace / "models" / "fraud_xgb.json",
