@@ -112,18 +112,18 @@ def native_backend(spec: ModelSpec, artifact: Artifact, settings: TritonSettings
         if artifact.bands
         else [(1, artifact.artifact_name, artifact.output_column, artifact.runtime, artifact.format)]
     )
-    python = "backend = python (scorestack's model runtime in Triton's Python backend)"
+    other = f"backend = {artifact.backend}"
     if not spec.serving.native_backend:
-        return None, f"{python}: serving.native_backend is false."
+        return None, f"{other}: serving.native_backend is false."
     others = sorted({fmt for _, _, _, runtime, fmt in bands if runtime not in native.RUNTIMES})
     if others:
-        return None, f"{python}: the native backend serves TL2cgen and tree-kernel libraries only, and {', '.join(others)} is selected."
+        return None, f"{other}: scorestack's native backend serves TL2cgen and tree-kernel libraries only, and {', '.join(others)} is selected."
     if settings.instance_kind != "KIND_CPU":
-        return None, f"{python}: the native backend runs on CPU instances ({settings.instance_kind})."
+        return None, f"{other}: scorestack's native backend runs on CPU instances ({settings.instance_kind})."
     try:
         native.library()
     except native.NativeBackendUnavailable as exc:
-        return None, f"{python}: {exc}."
+        return None, f"{other}: {exc}."
     plan = native.plan(spec.output_name, [(m, a, c) for m, a, c, _, _ in bands])
     return plan, (
         f"backend = {native.BACKEND} (native, {native.LIBRARY} in the version folder): the selected libraries are called on "

@@ -121,6 +121,13 @@ def test_the_compiler_emits_the_native_backend_with_its_library_under_the_manife
     py = load_config(repository / "python" / "config.pbtxt")
     assert py.backend == "python" and native.PARAM_NATIVE not in py.parameters
     assert not (repository / "python" / "1" / native.LIBRARY).exists()
+    # The report says which backend serves the model, and why.
+    import json
+
+    rules = {name: json.loads((repository / name / "report.json").read_text())["triton"]["rules"] for name in ("kernel", "python")}
+    assert any(r.startswith("backend = scorestack (native") for r in rules["kernel"]), rules["kernel"]
+    assert "backend = python: serving.native_backend is false." in rules["python"], rules["python"]
+    assert json.loads((repository / "kernel" / "report.json").read_text())["selected"]["backend"] == "scorestack"
 
 
 def test_concurrent_requests_of_mixed_sizes_are_joined_and_split_exactly(repository, trained, server_environment):
