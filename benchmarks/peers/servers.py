@@ -98,7 +98,9 @@ def triton_variants(model: FraudModel, root: Path) -> dict[str, Path]:
     from scorestack.triton_config import load_config, write_config
 
     out = {}
-    for variant in ("batching", "nobatch", "python", "cache"):
+    native = load_config(model.model_dir / "config.pbtxt").backend == "scorestack"
+    # "python": the same folder through the Python backend, when the compiled one is on the native backend.
+    for variant in ("batching", "nobatch", "python", "cache") if native else ("batching", "nobatch", "cache"):
         repo = root / f"repo_{variant}"
         if repo.exists():
             shutil.rmtree(repo)
@@ -115,9 +117,6 @@ def triton_variants(model: FraudModel, root: Path) -> dict[str, Path]:
         if variant == "nobatch":
             cfg.ClearField("dynamic_batching")
         elif variant == "python":
-            if cfg.backend != "scorestack":
-                shutil.rmtree(repo)
-                continue  # already the Python backend: the batching variant is this one
             cfg.backend = "python"  # the local view runs the same parameters through the model runtime
         elif variant == "cache":
             cfg.response_cache.enable = True
