@@ -16,7 +16,7 @@ from scorestack.demo import data as demo_data
 from scorestack.client.fraud import FraudService
 from scorestack.client.ranking import RankingService
 from scorestack.client.triton import TritonClient
-from scorestack.errors import FeatureError, InferenceError, InputValidationError, RequestValidationError
+from scorestack.errors import FeatureError, InferenceError, InputValidationError, OverloadedError, RequestValidationError
 from scorestack.features import store
 from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
@@ -260,9 +260,20 @@ def test_ranking_chunks_in_flight_are_bounded_and_results_keep_order(loop, servi
     client.infer = counting
     try:
         for window in (1, 2, 3, 0):
-            peak = 0
             service = RankingService(client, fetcher, model="ranking_xgb", chunk_size=50, max_in_flight=window)
-            results[window] = loop.run_until_complete(service.rank(11, items, _context()))
+            # Window 0 puts all 10 chunks in Triton's queue at once: on a stalled machine the last ones
+            # can wait past the model's queue timeout and are rejected (the documented risk of 0, and
+            # the server doing its job; one CI run saw it). A rejection must be that error, and
+            # then the request is sent again: what this test checks is the bound and the order.
+            for attempt in range(3):
+                peak = 0
+                try:
+                    results[window] = loop.run_until_complete(service.rank(11, items, _context()))
+                    break
+                except OverloadedError:
+                    if window != 0 or attempt == 2:
+                        raise
+                    assert peak == 10
             assert results[window].chunks == 10
             assert peak == (10 if window == 0 else window)
     finally:
