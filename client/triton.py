@@ -53,6 +53,7 @@ class ModelInfo:
     max_batch_size: int
     parameters: dict[str, str] = field(default_factory=dict)  # config.pbtxt `parameters` (string values)
     instances: int = 1  # model instances the config declares (instance_group counts summed): executions run at once
+    queue_timeout_us: int = 0  # dynamic batching's default queue timeout (0: none; a queued request is never rejected for time)
 
 
 @dataclass
@@ -190,6 +191,7 @@ class TritonClient:
             max_batch_size=int(cfg.get("max_batch_size", 0) or 0),
             parameters={k: str(v.get("string_value", "")) for k, v in (cfg.get("parameters") or {}).items()},
             instances=max(1, sum(int(g.get("count", 1) or 1) * max(1, len(g.get("gpus") or [])) for g in (cfg.get("instance_group") or [{}]))),
+            queue_timeout_us=int(((cfg.get("dynamic_batching") or {}).get("default_queue_policy") or {}).get("default_timeout_microseconds", 0) or 0),
         )
         self._models[model] = info
         return info

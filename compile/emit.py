@@ -75,11 +75,22 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
         f"max_queue_delay_microseconds = {delay}: Triton forms a batch from the requests already queued whenever an instance "
         "is free, so batches form under load while a lone request runs at once; a delay is paid in full by every lone request "
         "(200 µs: +0.3-0.7 ms p50 at concurrency 1, no measurable gain at 64 concurrent; benchmarks/results/request_path.md).",
+    ]
+    policy_rules = [
         f"default_timeout_microseconds = max(queue delay + 100, slack) = {timeout}: a request queued longer cannot meet "
-        "its budget, so it is rejected (timeout_action REJECT) instead of served late; clients may override.",
+        "its budget, so it is rejected (timeout_action REJECT) instead of served late; clients may shorten it.",
         f"max_queue_size = instances × ⌊timeout / model time at max batch⌋ × max batch = {instances} × {drains} × {max_batch}, "
         f"clamped to [{max_batch}, {MAX_QUEUE_SIZE}] = {queue}: no more than can drain within the timeout.",
     ]
+    if spec.serving.queue_policy:
+        rules += policy_rules
+    else:
+        rules.append(
+            f"no queue policy (serving.queue_policy: false, the default; it would be a timeout of {timeout} µs and a queue of {queue}): "
+            "Triton 2.51's batcher pre-fetches batches only for a model without one; with one, a batcher that finds every instance "
+            "busy can miss the wake-up of the one that frees up and sleep ~500 ms, and the waiting requests are then rejected "
+            "(benchmarks/results/queue_policy.md). Overload is shed by the callers' deadlines: Triton drops a cancelled request from its queue."
+        )
     if profile_rule is not None:
         rules.append(profile_rule)
     if slack <= 0:
@@ -93,6 +104,7 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
         instance_kind="KIND_GPU" if gpu else "KIND_CPU",
         threads=threads,
         rules=rules,
+        queue_policy=spec.serving.queue_policy,
     )
 
 
@@ -155,11 +167,12 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
 
     db = cfg.dynamic_batching
     db.max_queue_delay_microseconds = settings.max_queue_delay_us
-    policy = db.default_queue_policy
-    policy.timeout_action = mc.ModelQueuePolicy.REJECT
-    policy.default_timeout_microseconds = settings.default_timeout_us
-    policy.allow_timeout_override = True
-    policy.max_queue_size = settings.max_queue_size
+    if settings.queue_policy:
+        policy = db.default_queue_policy
+        policy.timeout_action = mc.ModelQueuePolicy.REJECT
+        policy.default_timeout_microseconds = settings.default_timeout_us
+        policy.allow_timeout_override = True
+        policy.max_queue_size = settings.max_queue_size
 
     # The last N versions are served (and kept on disk): a hot-swap loads the new one while the old
     # one finishes its requests, and a client may pin the previous version to compare or roll back.

@@ -109,6 +109,13 @@ class ServingSpec(_Strict):
     # Serve TL2cgen / tree-kernel artifacts through scorestack's native Triton backend (a C library
     # in the version folder, serve/native.py) instead of the Python backend; false: Python backend.
     native_backend: bool = True
+    # Triton's queue policy: reject a request that waited in the queue past the budget's slack
+    # (timeout_action REJECT, max_queue_size). Off by default: Triton 2.51's dynamic batcher
+    # pre-fetches batches only for a model without one; with one, a batcher that finds every
+    # instance busy can miss the wake-up of the instance that frees up and sleep ~500 ms, and the
+    # waiting requests are then rejected (benchmarks/results/queue_policy.md). Without it, overload
+    # is shed by the callers' deadlines: Triton drops a cancelled request from its queue.
+    queue_policy: bool = False
 
     @field_validator("batch_weights")
     @classmethod

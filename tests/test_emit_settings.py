@@ -13,13 +13,13 @@ from scorestack.compile.profile import BatchProfile
 from scorestack.compile.spec import ModelSpec
 
 
-def _spec(tmp_path: Path, budget_ms: float = 10.0, sizes=(1, 8, 64)) -> ModelSpec:
+def _spec(tmp_path: Path, budget_ms: float = 10.0, sizes=(1, 8, 64), queue_policy: bool = False) -> ModelSpec:
     return ModelSpec.model_validate({
         "name": "m",
         "source": {"path": str(tmp_path / "m.json"), "format": "xgboost-json"},
         "task": "binary",
         "inputs": {"features": [f"f{i}" for i in range(4)]},
-        "serving": {"batch_sizes": list(sizes), "latency_budget_ms": budget_ms},
+        "serving": {"batch_sizes": list(sizes), "latency_budget_ms": budget_ms, "queue_policy": queue_policy},
         "holdout": str(tmp_path / "h.npz"),
     })
 
@@ -45,18 +45,31 @@ def test_a_batch_profile_never_adds_a_delay(tmp_path, requests, joined):
     assert any(r.startswith(f"batch profile: {joined} requests per execution") for r in s.rules)
 
 
-def test_emitted_config_has_no_delay_and_rejects_past_the_timeout(tmp_path):
-    """The settings as config.pbtxt text: parsed by Triton's own schema."""
+@pytest.mark.parametrize("queue_policy", [False, True])
+def test_emitted_config_has_no_delay_and_a_queue_policy_only_when_asked(tmp_path, queue_policy):
+    """The settings as config.pbtxt text, parsed by Triton's own schema. By default no queue policy:
+    Triton's batcher pre-fetches only without one (benchmarks/results/queue_policy.md); with
+    `serving.queue_policy: true`, REJECT after the budget's slack."""
     from scorestack.compile.registry import Artifact
 
-    spec = _spec(tmp_path)
+    spec = _spec(tmp_path, queue_policy=queue_policy)
     s = emit.derive_settings(spec, LATENCY, threads=1, cpus=2)
+    assert s.queue_policy is queue_policy
     artifact = Artifact(format="onnx", path=tmp_path / "model.onnx", artifact_name="model.onnx", runtime="onnxruntime", backend="python")
     cfg = emit.write_config(tmp_path / "out", emit.build_config(spec, artifact, s, 1))
-    parsed = text_format.Parse((tmp_path / "out" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    text = (tmp_path / "out" / "config.pbtxt").read_text()
+    parsed = text_format.Parse(text, model_config_pb2.ModelConfig())
     assert parsed == cfg
     db = parsed.dynamic_batching
-    assert db.max_queue_delay_microseconds == 0
-    assert db.default_queue_policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT
-    assert db.default_queue_policy.default_timeout_microseconds == s.default_timeout_us
+    assert parsed.HasField("dynamic_batching") and db.max_queue_delay_microseconds == 0
+    assert db.HasField("default_queue_policy") is queue_policy
+    if queue_policy:
+        assert "timeout_action: REJECT" in text
+        assert db.default_queue_policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT
+        assert db.default_queue_policy.default_timeout_microseconds == s.default_timeout_us
+        assert db.default_queue_policy.max_queue_size == s.max_queue_size
+        assert any(r.startswith(f"default_timeout_microseconds = max(queue delay + 100, slack) = {s.default_timeout_us}") for r in s.rules)
+    else:
+        assert "queue_policy" not in text
+        assert any(r.startswith(f"no queue policy (serving.queue_policy: false, the default; it would be a timeout of {s.default_timeout_us} µs") for r in s.rules)
     assert parsed.instance_group[0].count == 2

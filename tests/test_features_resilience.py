@@ -46,3 +46,14 @@ def test_cache_expires_and_stays_bounded():
     for i in range(25):
         cache.put(i, str(i), ttl_s=60)
     assert len(cache) <= 10 and cache.get(24) == "24"
+
+
+def test_cache_get_many_equals_get_per_key_and_drops_expired():
+    clock = Clock()
+    cache: TTLCache[str] = TTLCache(clock=clock)
+    cache.put(("v", 1), "one", ttl_s=5)
+    cache.put(("v", 2), "two", ttl_s=50)
+    assert cache.get_many([("v", 1), ("v", 3), ("v", 2)]) == ["one", None, "two"]
+    clock.now = 6.0
+    assert cache.get_many([("v", 1), ("v", 2)]) == [None, "two"]
+    assert len(cache) == 1  # the expired entry went, as get() removes it
