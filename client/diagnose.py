@@ -70,11 +70,15 @@ async def server_snapshot(triton: TritonClient, model: str) -> ServerSnapshot:
         if "restricted" in message.lower():
             raise admin_refusal(triton.url, triton.admin_key, f"the statistics of model {model!r}", message) from exc
         raise InferenceError(f"model {model!r}: statistics unavailable from Triton at {triton.url}: {message}") from exc
-    s = stats["model_stats"][0]
-    inf = s.get("inference_stats", {})
+    # One entry per served version (a model keeps two by default): summed, as the model's traffic
+    # moves to the new version after a hot swap (entry 0 alone was the old, idle one: all zeros).
+    entries = stats.get("model_stats") or [{}]
 
     def g(name: str, key: str) -> int:
-        return int(inf.get(name, {}).get(key, 0) or 0)
+        return sum(int(e.get("inference_stats", {}).get(name, {}).get(key, 0) or 0) for e in entries)
+
+    def total(key: str) -> int:
+        return sum(int(e.get(key, 0) or 0) for e in entries)
 
     return ServerSnapshot(
         success_count=g("success", "count"),
@@ -84,8 +88,8 @@ async def server_snapshot(triton: TritonClient, model: str) -> ServerSnapshot:
         compute_infer_ns=g("compute_infer", "ns"),
         compute_output_ns=g("compute_output", "ns"),
         cache_hit_count=g("cache_hit", "count"),
-        inference_count=int(s.get("inference_count", 0) or 0),
-        execution_count=int(s.get("execution_count", 0) or 0),
+        inference_count=total("inference_count"),
+        execution_count=total("execution_count"),
     )
 
 

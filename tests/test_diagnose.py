@@ -602,3 +602,27 @@ def test_exported_request_phases_read_back_as_the_means_of_the_window():
             Scrape.read(f"http://127.0.0.1:{page.server_port}/")
     finally:
         page.shutdown()
+
+
+def test_server_snapshot_sums_every_served_version():
+    """A model serves two versions by default; the snapshot is the model's traffic over both (it read
+    entry 0 alone, the old idle version after a recompile: every phase 0). Triton's statistics JSON
+    as its gRPC API returns it, from a stand-in for the client: the shape is what is tested here;
+    the served path is covered by the tests above."""
+    from types import SimpleNamespace
+
+    from scorestack.client.diagnose import server_snapshot
+
+    def version(v: str, n: int, queue_ns: int) -> dict:
+        stat = lambda ns: {"count": str(n), "ns": str(ns)}  # noqa: E731 - int64 fields arrive as strings
+        return {"name": "m", "version": v, "inference_count": str(n), "execution_count": str(n // 2),
+                "inference_stats": {"success": stat(1000 * n), "queue": stat(queue_ns), "compute_input": stat(10), "compute_infer": stat(500 * n),
+                                    "compute_output": stat(20), "cache_hit": {"count": "0", "ns": "0"}}}
+
+    async def stats(model, headers=None, as_json=False, client_timeout=None):  # noqa: ANN001, ANN202
+        return {"model_stats": [version("1", 0, 0), version("2", 40, 7000)]}
+
+    triton = SimpleNamespace(grpc=SimpleNamespace(get_inference_statistics=stats), admin_headers=None, url="x", admin_key=None)
+    snap = asyncio.run(server_snapshot(triton, "m"))
+    assert (snap.success_count, snap.success_ns, snap.queue_ns, snap.compute_infer_ns) == (40, 40_000, 7000, 20_000)
+    assert (snap.inference_count, snap.execution_count, snap.compute_input_ns) == (40, 20, 20)

@@ -276,3 +276,20 @@ async def test_duplicate_entities_are_read_once_by_redis(private_redis, tmp_path
     admin.close()
     assert calls[None] == 50 * per_user
     assert calls[0.002] == 10 * per_user
+
+
+async def test_start_freezes_the_heap_it_leaves_unless_told_not_to(redis_repo):
+    """`start` moves the start-up heap out of the collector's view (gc.freeze), so a full collection
+    no longer walks Feast's registry and friends while requests wait; freeze_heap=False does not."""
+    import gc
+
+    fs = store.feature_store(redis_repo)
+    gc.unfreeze()
+    async with FeatureFetcher(fs, backend="direct", timeout_s=2.0, freeze_heap=False) as fetcher:
+        assert gc.get_freeze_count() == 0
+        assert not (await fetcher.fetch("fraud", {"user_id": 1})).degraded
+    async with FeatureFetcher(fs, backend="direct", timeout_s=2.0) as fetcher:
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # the registry, feast, pandas and numpy modules alive at start
+        assert not (await fetcher.fetch("fraud", {"user_id": 1})).degraded
+    gc.unfreeze()
