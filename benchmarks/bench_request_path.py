@@ -302,7 +302,9 @@ def render(result: dict) -> str:
              + (f" Note: {m['note']}" if m.get("note") else ""), ""]
     if "batching" in result:
         b = result["batching"]
+        carried = b.get("carried_from")
         lines += ["## Batching settings: fraud_xgb model calls, closed loop (one server start per row)", "",
+                  *([f"Carried over from the run of {carried['date']} (commit {carried['commit']}): this run measured the request paths only.", ""] if carried else []),
                   f"Compiled settings: {b['compiled']}. Each variant started {len(next(iter(b['runs'].values())))} times, in interleaved order.", "",
                   "| variant | round | c1 p50 / p99 ms | c16 p50 / p99 ms · req/s | c64 p50 / p99 ms · req/s | c64 avg batch | rejected c1/c16/c64 | server CPU µs/req c64 | client CPU µs/req c1 / c64 |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -380,6 +382,18 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick, "note": args.note,
     }
     RESULTS.mkdir(exist_ok=True)
+    previous_file = RESULTS / f"{args.out}.json"
+    if args.only and previous_file.exists():
+        # A partial run keeps the other part's results from the file, saying when they were measured.
+        previous = json.loads(previous_file.read_text())
+        if args.only == "paths" and "batching" in previous:
+            result["batching"] = previous["batching"]
+            result["batching"].setdefault("carried_from", {k: previous["machine"].get(k) for k in ("date", "commit")})
+        elif args.only == "batching":
+            for key in ("fraud", "ranking", "feature_backend", "served_settings"):
+                if key in previous:
+                    result[key] = previous[key]
+            result["paths_carried_from"] = {k: previous["machine"].get(k) for k in ("date", "commit")}
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     text = render(result)
     (RESULTS / f"{args.out}.md").write_text(text)
