@@ -13,7 +13,6 @@ versions, configuration of each peer) and regenerates benchmarks/REPORT.md with 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import json
 import os
@@ -99,16 +98,6 @@ def start_peers(model, run_dir: Path, names: tuple[str, ...]) -> tuple[dict, dic
     return started, failed
 
 
-def shedding_target(name: str, target: loadgen.Target, model: dict) -> loadgen.Target:
-    """The target for open-loop points: against scorestack's model without a queue policy (the compiled
-    default), each caller's deadline is the model's latency budget, which is how overload is shed then
-    (Triton drops a cancelled request from its queue); with a queue policy Triton rejects by itself."""
-    budget = model.get("latency_budget_ms")
-    if not name.startswith("scorestack") or model.get("triton", {}).get("queue_policy") or not budget:
-        return target
-    return dataclasses.replace(target, deadline_s=budget / 1000.0)
-
-
 def make_target(peer: servers.Peer, rows: np.ndarray) -> loadgen.Target:
     if peer.protocol == "grpc":
         return loadgen.grpc_target(peer.name, peer.address, peer.model, peer.input_name, rows, description=peer.description)
@@ -191,7 +180,7 @@ def run_history(path: Path, keep: int = 6) -> list[dict]:
     return [history_entry(prev), *prev.get("history", [])][:keep]
 
 
-def overload_check(peer: servers.Peer, target: loadgen.Target, duration_s: float, warmup_s: float, fractions: list[float], open_target: loadgen.Target | None = None) -> dict:
+def overload_check(peer: servers.Peer, target: loadgen.Target, duration_s: float, warmup_s: float, fractions: list[float]) -> dict:
     """scorestack's server on core 0, the load generator alone on core 1: capacity (closed loop, 64 callers), then
     open loop at the same fractions of it. Apart, the load generator can offer more than the server carries, which on
     shared cores it cannot (it needs ~0.15 ms of CPU per open-loop request)."""
@@ -208,7 +197,7 @@ def overload_check(peer: servers.Peer, target: loadgen.Target, duration_s: float
         out["points"].append(_record(cap, mode="closed", concurrency=64, fraction=None, rate=None, server_stats=cap.__dict__.get("server_stats")))
         log(f"overload check closed c=64: {cap.throughput:,.0f} req/s p99 {cap.p99_ms:.2f} ms errors {cap.errors or 0}")
         for f in fractions:
-            res = measure_point(gen, peer, open_target or target, "open", f * cap.throughput, duration_s, warmup_s)
+            res = measure_point(gen, peer, target, "open", f * cap.throughput, duration_s, warmup_s)
             if isinstance(res, str):
                 out.setdefault("failed_points", []).append({"fraction": f, "reason": res})
                 continue
@@ -400,7 +389,7 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
                         if capacity <= 0:
                             continue
                         rate = f * capacity
-                        res = measure_point(gen, peer, shedding_target(name, target, data["model"]), "open", rate, duration, warmup)
+                        res = measure_point(gen, peer, target, "open", rate, duration, warmup)
                         done += 1
                         if isinstance(res, str):
                             failures.append({"round": r, "target": name, "mode": "open", "fraction": f, "reason": res})
@@ -411,8 +400,7 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
                         log(f"[{done}/{total}] round {r + 1} {name:20s} open {f:.0%} ({rate:,.0f}/s) served {res.throughput:8,.0f} req/s  "
                             f"p50 {res.p50_ms:7.2f}  p99 {res.p99_ms:7.2f} ms  errors {res.errors or 0}")
         if "scorestack" in peers and not args.no_overload_check and (os.cpu_count() or 1) >= 2:
-            data["overload_pinned"] = overload_check(peers["scorestack"], targets["scorestack"], duration, warmup, sorted({*fractions, 1.5, 2.0}),
-                                                     shedding_target("scorestack", targets["scorestack"], data["model"]))
+            data["overload_pinned"] = overload_check(peers["scorestack"], targets["scorestack"], duration, warmup, sorted({*fractions, 1.5, 2.0}))
     finally:
         for name, peer in peers.items():
             try:

@@ -41,18 +41,12 @@ class RankingService(ScoringPath):
     opt-in for machines with more cores.
 
     At most `max_in_flight` chunks of one request are in Triton at once; 0 sends every chunk at once.
-    The default (None) sends as many as can wait in Triton's queue for at most half the model's
-    queue timeout: the model's instances (read from its config) times the waves of chunks that fit
-    in half the timeout, a wave lasting as long as this service's recent fastest chunk (a running
-    average; before the first request, one wave). Sent all at once regardless, the last chunks of
-    1000-2000 candidates ran out of the queue timeout (1-17 of 30 requests rejected at
-    concurrency 1); held to one chunk per instance, each later wave paid a client round trip
-    (500 candidates: total p50 8.0 ms against 5.2 ms all at once; benchmarks/results/request_path.md).
+    The default (None) is the model's instance count (read from its config) when the model has a
+    queue timeout: a chunk is sent when an instance is free, so a request's own chunks do not wait in
+    Triton's queue behind one another (sent all at once, the last chunks of 1000-2000 candidates ran
+    out of the queue timeout: 1-17 of 30 requests rejected at concurrency 1). A model without a
+    queue policy (`serving.queue_policy: false`) rejects nothing for time: every chunk goes at once.
     """
-
-    # The share of the queue timeout a request's own chunks may spend queued behind one another.
-    QUEUE_SHARE = 0.5
-    _EWMA = 0.2  # weight of the newest request in the chunk-time average
 
     request_fields: tuple[str, ...] = schema.RANKING_REQUEST  # the request's `context`
 
@@ -78,11 +72,10 @@ class RankingService(ScoringPath):
         if chunk_size is not None and chunk_size < 1:
             raise RequestValidationError("chunk_size", f"must be >= 1 (or None: the model's max_batch_size), got {chunk_size}")
         if max_in_flight is not None and max_in_flight < 0:
-            raise RequestValidationError("max_in_flight", f"must be >= 0 (0: every chunk at once; None: what the model's queue timeout allows), got {max_in_flight}")
+            raise RequestValidationError("max_in_flight", f"must be >= 0 (0: every chunk at once; None: the model's instance count, or every chunk where it has no queue timeout), got {max_in_flight}")
         self.max_candidates = max_candidates
         self.chunk_size = chunk_size
         self.max_in_flight = max_in_flight
-        self.chunk_ms: float | None = None  # running average of a request's fastest chunk (client-side ms)
 
     def _validate_candidates(self, candidate_ids: Any) -> list[int | str]:
         if isinstance(candidate_ids, (str, bytes)) or not isinstance(candidate_ids, Sequence | np.ndarray):
@@ -118,9 +111,6 @@ class RankingService(ScoringPath):
             chunks = [batch[i : i + size] for i in range(0, n, size)]
             window = self.default_window(info) if self.max_in_flight is None else self.max_in_flight
             results = await self._infer_chunks(chunks, window if 0 < window < len(chunks) else len(chunks))
-            if len(chunks) > 1:  # full-size chunks (all but maybe the last); the fastest was in the first wave, unqueued
-                fastest = min(r.client_ms for r in results[:-1])
-                self.chunk_ms = fastest if self.chunk_ms is None else (1 - self._EWMA) * self.chunk_ms + self._EWMA * fastest
             scores = np.concatenate([r.outputs[schema.OUTPUT_TENSORS["ranking"]].reshape(-1) for r in results])
         order = np.argsort(-scores, kind="stable")
         return RankedList(
@@ -132,15 +122,10 @@ class RankingService(ScoringPath):
             timings_ms=self._finish(timer),
         )
 
-    def default_window(self, info) -> int:  # noqa: ANN001 - a client.triton.ModelInfo
-        """Chunks in flight by default: the instances times the waves that fit in QUEUE_SHARE of the
-        queue timeout (0, every chunk at once, when the model has no queue timeout)."""
-        if info.queue_timeout_us <= 0:
-            return 0
-        if not self.chunk_ms:
-            return info.instances
-        waves = int(self.QUEUE_SHARE * info.queue_timeout_us / 1000.0 / self.chunk_ms)
-        return info.instances * max(1, waves)
+    @staticmethod
+    def default_window(info) -> int:  # noqa: ANN001 - a client.triton.ModelInfo
+        """Chunks in flight by default: the model's instances, or 0 (every chunk at once) when it has no queue timeout."""
+        return info.instances if info.queue_timeout_us > 0 else 0
 
     async def _infer_chunks(self, chunks: list[np.ndarray], window: int) -> list:
         """Score the chunks with at most `window` of them in Triton at once; results in chunk order."""

@@ -84,12 +84,17 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
     ]
     if spec.serving.queue_policy:
         rules += policy_rules
+        rules.append(
+            "queue policy on (serving.queue_policy: true, the default): Triton 2.51's batcher then does not pre-fetch, and when every "
+            "instance is busy it can miss the wake-up of the one that frees up and hold requests ~500 ms, which the timeout then "
+            "rejects (rare; benchmarks/results/queue_policy.md); without a policy, overload would queue until the callers' deadlines, "
+            "and a burst of cancelled calls crashed Triton 2.51's gRPC frontend."
+        )
     else:
         rules.append(
-            f"no queue policy (serving.queue_policy: false, the default; it would be a timeout of {timeout} µs and a queue of {queue}): "
-            "Triton 2.51's batcher pre-fetches batches only for a model without one; with one, a batcher that finds every instance "
-            "busy can miss the wake-up of the one that frees up and sleep ~500 ms, and the waiting requests are then rejected "
-            "(benchmarks/results/queue_policy.md). Overload is shed by the callers' deadlines: Triton drops a cancelled request from its queue."
+            f"no queue policy (serving.queue_policy: false; it would be a timeout of {timeout} µs and a queue of {queue}): the batcher "
+            "pre-fetches and never holds requests for a missed wake-up, but nothing sheds overload in the server: requests queue until "
+            "the callers' deadlines, and on Triton 2.51 a burst of cancelled calls crashed its gRPC frontend (benchmarks/results/queue_policy.md)."
         )
     if profile_rule is not None:
         rules.append(profile_rule)

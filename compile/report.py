@@ -70,7 +70,7 @@ class TritonSettings(_Model):
     default_timeout_us: int
     max_queue_size: int
     instance_count: int
-    queue_policy: bool = False  # default_timeout_us and max_queue_size are in config.pbtxt (else derived, not set)
+    queue_policy: bool = True  # default_timeout_us and max_queue_size are in config.pbtxt (else derived, not set)
     instance_kind: str
     threads: int
     rules: list[str]

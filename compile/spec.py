@@ -110,12 +110,12 @@ class ServingSpec(_Strict):
     # in the version folder, serve/native.py) instead of the Python backend; false: Python backend.
     native_backend: bool = True
     # Triton's queue policy: reject a request that waited in the queue past the budget's slack
-    # (timeout_action REJECT, max_queue_size). Off by default: Triton 2.51's dynamic batcher
-    # pre-fetches batches only for a model without one; with one, a batcher that finds every
-    # instance busy can miss the wake-up of the instance that frees up and sleep ~500 ms, and the
-    # waiting requests are then rejected (benchmarks/results/queue_policy.md). Without it, overload
-    # is shed by the callers' deadlines: Triton drops a cancelled request from its queue.
-    queue_policy: bool = False
+    # (timeout_action REJECT, max_queue_size). On by default, and both settings cost something on
+    # Triton 2.51 (benchmarks/results/queue_policy.md): with it, the batcher does not pre-fetch and,
+    # when every instance is busy, can miss an instance's wake-up and hold requests ~500 ms, which
+    # are then rejected; without it, overload queues until the callers' deadlines, and a burst of
+    # cancelled calls crashed tritonserver's gRPC frontend (fixed in Triton 24.12, not in 2.51).
+    queue_policy: bool = True
 
     @field_validator("batch_weights")
     @classmethod

@@ -220,9 +220,9 @@ def test_emitted_folder_follows_the_serving_contract(tmp_path: Path, demo_dir: P
     assert (cfg.input[0].name, list(cfg.input[0].dims)) == ("features", [30])
     assert (cfg.output[0].name, list(cfg.output[0].dims)) == ("probability", [1])
     assert cfg.max_batch_size == 1
-    # Dynamic batching without a queue policy by default (the batcher pre-fetches; the derived timeout is reported, not set).
-    assert cfg.HasField("dynamic_batching") and not cfg.dynamic_batching.HasField("default_queue_policy")
-    assert not report.triton.queue_policy and report.triton.default_timeout_us > 0
+    pol = cfg.dynamic_batching.default_queue_policy
+    assert pol.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT and pol.allow_timeout_override
+    assert pol.default_timeout_microseconds == report.triton.default_timeout_us > 0
     assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     assert cfg.model_warmup[0].batch_size == 1 and cfg.model_warmup[0].inputs["features"].zero_data
     assert cfg.parameters["scorestack_runtime"].string_value == "onnxruntime"

@@ -61,7 +61,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, server_environment):
         "source": {"path": "acme_risk.json", "format": "xgboost-json"},
         "task": "binary",
         "inputs": {"features": list(schema.FRAUD_FEATURES)},
-        # The queue policy on (off by default): diagnose must count what it rejects.
+        # The queue policy stated (it is the default): diagnose must count what it rejects.
         "serving": {"batch_sizes": [1, 16], "max_batch_size": 64, "latency_budget_ms": 200, "queue_policy": True},
         "holdout": "holdout.npz",
         "formats": ["onnx", "native"],

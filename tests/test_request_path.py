@@ -16,7 +16,7 @@ from scorestack.demo import data as demo_data
 from scorestack.client.fraud import FraudService
 from scorestack.client.ranking import RankingService
 from scorestack.client.triton import TritonClient
-from scorestack.errors import FeatureError, InferenceError, InputValidationError, RequestValidationError
+from scorestack.errors import FeatureError, InferenceError, InputValidationError, OverloadedError, RequestValidationError
 from scorestack.features import store
 from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
@@ -196,9 +196,9 @@ def all_items_repo(tmp_path_factory, redis_url):
 
 
 def test_ranking_fan_out_is_never_rejected_at_concurrency_1(loop, triton, compiled_demo, all_items_repo):
-    """1000 and MAX_CANDIDATES candidates, one request at a time, with the default chunk plan (every
-    chunk at once: the model is compiled without a queue policy, so Triton's batcher pre-fetches and
-    never stalls on a missed wake-up): none is rejected, and the scores are the source ranker's."""
+    """1000 and MAX_CANDIDATES candidates, one request at a time, with the default chunk plan: the
+    request's own chunks never queue behind one another (at most the model's instance count in
+    flight), so none is rejected by the queue policy, and the scores are the source ranker's."""
     from scorestack import limits
     from scorestack.errors import OverloadedError
 
@@ -261,8 +261,19 @@ def test_ranking_chunks_in_flight_are_bounded_and_results_keep_order(loop, servi
     try:
         for window in (1, 2, 3, 0):
             service = RankingService(client, fetcher, model="ranking_xgb", chunk_size=50, max_in_flight=window)
-            peak = 0
-            results[window] = loop.run_until_complete(service.rank(11, items, _context()))
+            # Window 0 puts all 10 chunks in Triton's queue at once: when the batcher misses an
+            # instance's wake-up it holds them ~500 ms and the queue timeout rejects them (Triton 2.51,
+            # benchmarks/results/queue_policy.md; one CI run saw it). A rejection must be that error,
+            # and the request is then sent again: what this test checks is the bound and the order.
+            for attempt in range(3):
+                peak = 0
+                try:
+                    results[window] = loop.run_until_complete(service.rank(11, items, _context()))
+                    break
+                except OverloadedError:
+                    if window != 0 or attempt == 2:
+                        raise
+                    assert peak == 10
             assert results[window].chunks == 10
             assert peak == (10 if window == 0 else window)
     finally:
@@ -279,26 +290,17 @@ def test_ranking_chunks_in_flight_are_bounded_and_results_keep_order(loop, servi
     assert err.value.field == "chunk_size"
 
 
-def test_ranking_default_window_is_the_waves_that_fit_in_half_the_queue_timeout(loop, services):
-    """Without max_in_flight, a request sends every chunk at once to a model without a queue timeout
-    (the compiled default); with one, the instances times the waves of chunks that fit in half the
-    timeout, a wave lasting as long as the service's recent fastest chunk."""
+def test_ranking_default_window_is_the_instances_or_every_chunk_without_a_queue_timeout(loop, services):
+    """Without max_in_flight, a request keeps one chunk per instance in flight when the model has a
+    queue timeout (the compiled default), and sends every chunk at once to a model without one."""
     import dataclasses
 
-    client, fetcher, _, _ = services
+    client, _, _, _ = services
     info = loop.run_until_complete(client.model_info("ranking_xgb"))
-    assert info.queue_timeout_us == 0 and info.instances >= 1  # compiled without a queue policy
-    service = RankingService(client, fetcher, model="ranking_xgb", chunk_size=50)
-    assert service.default_window(info) == 0
-    result = loop.run_until_complete(service.rank(11, list(range(1, 501)), _context()))
-    assert result.chunks == 10 and service.chunk_ms > 0  # the fastest full chunk, client-side
-    policy = dataclasses.replace(info, queue_timeout_us=9000)  # as a model compiled with serving.queue_policy: true
-    waves = int(RankingService.QUEUE_SHARE * 9.0 / service.chunk_ms)
-    assert service.default_window(policy) == info.instances * max(1, waves)
-    service.chunk_ms = 9.0  # a chunk as long as the whole timeout: one wave, one chunk per instance
-    assert service.default_window(policy) == info.instances
-    fresh = RankingService(client, fetcher, model="ranking_xgb", chunk_size=50)
-    assert fresh.chunk_ms is None and fresh.default_window(policy) == info.instances  # nothing measured yet: one wave
+    served = loop.run_until_complete(client.grpc.get_model_config("ranking_xgb", as_json=True))["config"]
+    assert info.queue_timeout_us == int(served["dynamic_batching"]["default_queue_policy"]["default_timeout_microseconds"]) > 0
+    assert RankingService.default_window(info) == info.instances >= 1
+    assert RankingService.default_window(dataclasses.replace(info, queue_timeout_us=0)) == 0  # serving.queue_policy: false
 
 
 @pytest.mark.parametrize(

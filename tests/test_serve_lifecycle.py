@@ -381,9 +381,9 @@ def test_a_recompile_in_another_format_retires_the_versions_its_config_cannot_se
 
 def test_hot_swap_under_32_concurrent_clients_drops_nothing(server_environment, tmp_path):
     repo = tmp_path / "repo"
-    # A 5 s budget: were the queue policy on (serving.queue_policy: true; off by default), its timeout
-    # would be ~5 s, so requests queued while the compile and the new version's start-up take the 2
-    # cores are not shed by design (seen: 64 of 58,944 at 200 ms); this test is about what the swap drops.
+    # A 5 s budget puts Triton's queue timeout at ~5 s: with a tight one, requests queued while the
+    # compile and the new version's start-up take the 2 cores are shed by the queue policy by design
+    # (seen: 64 of 58,944 at a 200 ms budget); this test is about what the swap itself drops.
     spec1, v1 = _regression_spec(tmp_path, "v1", shift=0.0, budget_ms=5000)
     spec2, v2 = _regression_spec(tmp_path, "v2", shift=3.0, budget_ms=5000)
     assert compile_model(spec1, repo, serve_check=False).version == 1
