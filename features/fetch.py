@@ -72,7 +72,7 @@ class FeatureFetcher:
             pandas, protobuf modules, never freed anyway). Measured: a full collection over the
             ~340k objects of a fraud service took 200-220 ms, once every ~2000 requests at 64
             concurrent, and every request in flight waited for it (c64 p99 220-280 ms; frozen:
-            collections of 1-6 ms, p99 38-51 ms; benchmarks/results/request_path.md). Process-wide:
+            collections of 1-8 ms, p99 38-57 ms; benchmarks/results/request_path.md). Process-wide:
             False leaves the collector as it is.
     """
 
