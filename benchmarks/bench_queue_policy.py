@@ -55,7 +55,7 @@ def variant(src: Path, root: Path, policy: bool) -> Path:
     shutil.copytree(latest, dst / latest.name, symlinks=True)
     cfg = re.sub(r"  default_queue_policy \{.*?\n  \}\n", "", (src / "config.pbtxt").read_text(), flags=re.S)
     if policy:
-        triton = json.loads((latest / "report.json").read_text() if (latest / "report.json").exists() else (src / "report.json").read_text())["triton"]
+        triton = json.loads((src / "report.json").read_text())["triton"]
         cfg = cfg.replace("dynamic_batching {\n", "dynamic_batching {\n  default_queue_policy {\n    timeout_action: REJECT\n"
                           f"    default_timeout_microseconds: {triton['default_timeout_us']}\n    allow_timeout_override: true\n"
                           f"    max_queue_size: {triton['max_queue_size']}\n  }}\n", 1)

@@ -16,7 +16,6 @@ from scorestack.client.timing import PhaseTimer
 from scorestack.client.triton import TritonClient
 from scorestack.errors import InferenceError, InputValidationError, RequestValidationError
 from scorestack.features.fetch import FeatureFetcher
-from scorestack.validation import entity_ids
 
 DEFAULT_MAX_CANDIDATES = limits.MAX_CANDIDATES
 
@@ -85,7 +84,7 @@ class RankingService(ScoringPath):
             raise InputValidationError("candidate_ids", "empty; send at least one candidate")
         if n > self.max_candidates:
             raise InputValidationError("candidate_ids", f"{n} candidates exceed the limit of {self.max_candidates}; split the request")
-        ids = entity_ids(candidate_ids.tolist() if isinstance(candidate_ids, np.ndarray) else candidate_ids, "candidate_ids", self.key_types.get("item_id", "Int64"))
+        ids = self.entity_ids(candidate_ids, "item_id", "candidate_ids")
         if len(set(ids)) != n:
             seen: set[int | str] = set()
             dup = next(i for i in ids if i in seen or seen.add(i))

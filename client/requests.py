@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from scorestack.errors import RequestValidationError
-from scorestack.validation import entity_id, number, numeric_fields, record
+from scorestack.validation import entity_id, entity_ids, number, numeric_fields, record
 
 if TYPE_CHECKING:
     import asyncio
@@ -82,6 +82,10 @@ class ScoringPath:
     def entity_id(self, value: Any, key: str, field: str | None = None) -> int | str:
         """`value` checked as an id of join key `key` of the feature service (one rule everywhere)."""
         return entity_id(value, field or key, self.key_types.get(key, "Int64"))
+
+    def entity_ids(self, values: Any, key: str, field: str) -> list[int | str]:
+        """`entity_id` over a list (or array) of ids, the offender named `field[i]`."""
+        return entity_ids(values.tolist() if isinstance(values, np.ndarray) else values, field, self.key_types.get(key, "Int64"))
 
     async def _features_matrix(self, timer: "PhaseTimer", fetch: "asyncio.Future", request_values: np.ndarray):
         """Wait for the fetch (phase `features_wait`; the fetch's own time is `features`), then

@@ -378,8 +378,7 @@ def render_markdown(r: CompileReport) -> str:
         f"max_batch_size {t.max_batch_size}, max_queue_delay_microseconds {t.max_queue_delay_us}, "
         + (f"default_timeout_microseconds {t.default_timeout_us} (REJECT), max_queue_size {t.max_queue_size}, " if t.queue_policy
            else f"no queue policy (derived timeout {t.default_timeout_us} µs, queue size {t.max_queue_size}: not set), ")
-        + 
-        f"instance_group {t.instance_count} × {t.instance_kind}, {t.threads} thread(s) per instance.",
+        + f"instance_group {t.instance_count} × {t.instance_kind}, {t.threads} thread(s) per instance.",
         "",
         "How they were derived:",
         "",

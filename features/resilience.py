@@ -69,13 +69,7 @@ class TTLCache(Generic[V]):
         return len(self._data)
 
     def get(self, key: Hashable) -> V | None:
-        entry = self._data.get(key)
-        if entry is None:
-            return None
-        if entry[0] < self._clock():
-            del self._data[key]
-            return None
-        return entry[1]
+        return self.get_many((key,))[0]
 
     def get_many(self, keys: Iterable[Hashable]) -> list[V | None]:
         """`get` for each key, with one clock read for all of them."""
