@@ -268,6 +268,8 @@ class DirectRedisBackend(Backend):
         super().__init__(views)
         self._connection_string = connection_string
         self._client = None
+        self._resp = None  # the lean connection for reads (scorestack.features.resp), when it applies
+        self.lean_reason: str | None = None
         self._encoders = {
             spec.join_keys: redis_layout.entity_key_encoder(spec.join_keys, spec.key_types, project, entity_key_serialization_version)
             for spec in self.views.values()
@@ -283,15 +285,23 @@ class DirectRedisBackend(Backend):
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
+        from scorestack.features.resp import RespConnection, lean_params
+
         nodes, params = RedisOnlineStore._parse_connection_string(self._connection_string)
         params.pop("retry", None)
         params.pop("retry_on_timeout", None)
         # No socket_timeout: the fetch layer's budget cancels a read (and the connection is dropped);
         # a per-reply timeout would cost an asyncio timeout context per HMGET reply.
         params.pop("socket_timeout", None)
+        host, port = nodes[0]["host"], int(nodes[0]["port"])
+        # Reads go through the lean connection (scorestack.features.resp) where it implements every
+        # connection parameter; redis-py stays for the rest (verification's scans, other parameters).
+        self.lean_reason = lean_params(params)
+        if self.lean_reason is None:
+            self._resp = RespConnection(host, port, **params)
         self._client = redis_asyncio.Redis(
-            host=nodes[0]["host"],
-            port=int(nodes[0]["port"]),
+            host=host,
+            port=port,
             retry=Retry(NoBackoff(), 0),  # the fetch layer's budget and breaker decide, not redis-py
             **params,
         )
@@ -304,6 +314,9 @@ class DirectRedisBackend(Backend):
         return self._client
 
     async def close(self) -> None:
+        if self._resp is not None:
+            resp, self._resp = self._resp, None
+            await resp.close()
         if self._client is not None:
             client, self._client = self._client, None
             try:
@@ -328,7 +341,13 @@ class DirectRedisBackend(Backend):
         return packed
 
     async def _pipeline(self, packed: bytes, n_replies: int) -> list:
-        """Send pre-packed commands on one pooled connection and read their replies (one round trip)."""
+        """Send pre-packed commands and read their replies (one round trip)."""
+        if self._resp is not None:
+            replies = await self._resp.request(packed, n_replies)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return replies
         pool = self._client.connection_pool
         connection = await pool.get_connection()
         try:

@@ -23,9 +23,6 @@ class Outcome:
     store_s: float
 
 
-_GRACE_S = 0.002
-
-
 def _discard_result(tasks: set):
     def done(task: asyncio.Task) -> None:
         tasks.discard(task)
@@ -35,18 +32,39 @@ def _discard_result(tasks: set):
     return done
 
 
+class _Read:
+    """One store read shared by the fetches that coalesced into it."""
+
+    __slots__ = ("wanted", "waiters", "deadline", "requests", "start", "task", "timer", "over")
+
+    def __init__(self, deadline: float) -> None:
+        self.wanted: dict[str, dict[Entity, None]] = {}
+        self.waiters: list[asyncio.Future] = []
+        self.deadline = deadline
+        self.requests = 0
+        self.start = 0.0
+        self.task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.over = False  # its waiters have their outcome (the read may still be unwinding)
+
+
 class Lane:
-    """One backend behind a coalescing window, a budget and a circuit breaker."""
+    """One backend behind a coalescing window, a budget and a circuit breaker.
+
+    Each fetch waits on a future of its own (a cancelled caller cancels only its wait, never the
+    shared read). A read is one task: it resolves its waiters when the store answers, or a timer at
+    the earliest caller's deadline resolves them with a timeout, cancels the read and lets it
+    unwind in the background (a cancelled Feast read may take a while to clean up). At concurrency 1
+    a fetch costs two event-loop turns on top of the store's own I/O: the window's flush, and the
+    wake-up of the caller.
+    """
 
     def __init__(self, backend: Backend, breaker: CircuitBreaker, window_s: float | None, metrics: FetchMetrics) -> None:
         self.backend = backend
         self.breaker = breaker
         self.window_s = window_s
         self.metrics = metrics
-        self._pending: dict[str, dict[Entity, None]] | None = None
-        self._pending_future: asyncio.Future | None = None
-        self._pending_deadline = 0.0
-        self._pending_requests = 0
+        self._pending: _Read | None = None
         self._tasks: set[asyncio.Task] = set()
         self._set_breaker_gauge()
 
@@ -55,92 +73,105 @@ class Lane:
 
     async def read(self, wanted: Wanted, deadline: float) -> Outcome:
         loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         if self.window_s is None:
-            future = loop.create_future()
-            self._spawn(self._run({v: dict.fromkeys(ids) for v, ids in wanted.items()}, deadline, 1, future))
+            read = _Read(deadline)
+            read.wanted = {v: dict.fromkeys(ids) for v, ids in wanted.items()}
+            read.waiters.append(waiter)
+            read.requests = 1
+            self._start(read)
         else:
-            if self._pending is None:
-                self._pending, self._pending_future = {}, loop.create_future()
-                self._pending_deadline, self._pending_requests = deadline, 0
+            read = self._pending
+            if read is None:
+                read = self._pending = _Read(deadline)
                 if self.window_s > 0:
                     loop.call_later(self.window_s, self._flush)
                 else:
                     loop.call_soon(self._flush)
             for view, ids in wanted.items():
-                self._pending.setdefault(view, {}).update(dict.fromkeys(ids))  # duplicates read once
+                read.wanted.setdefault(view, {}).update(dict.fromkeys(ids))  # duplicates read once
             # The earliest deadline: the shared read ends (and the breaker counts it) before any of
             # its callers' budgets; a later joiner loses at most the window.
-            self._pending_deadline = min(self._pending_deadline, deadline)
-            self._pending_requests += 1
-            future = self._pending_future
-        try:
-            # The read resolves the future by `deadline`; the grace only covers a stalled event loop.
-            # asyncio.timeout, not wait_for (which wraps the wait in a task of its own: ~25 µs a call).
-            async with asyncio.timeout(max(deadline - time.perf_counter(), 0.0) + _GRACE_S):
-                return await asyncio.shield(future)
-        except TimeoutError:
-            return Outcome(None, "timeout", max(deadline - time.perf_counter(), 0.0))
+            read.deadline = min(read.deadline, deadline)
+            read.requests += 1
+            read.waiters.append(waiter)
+        # No timeout here: the read's timer resolves every waiter by the earliest deadline.
+        return await waiter
 
     def _flush(self) -> None:
-        wanted, future = self._pending, self._pending_future
-        deadline, requests = self._pending_deadline, self._pending_requests
-        self._pending = self._pending_future = None
-        if wanted is not None and future is not None:
-            self._spawn(self._run(wanted, deadline, requests, future))
+        read, self._pending = self._pending, None
+        if read is not None:
+            self._start(read)
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _run(self, pending: dict[str, dict[Entity, None]], deadline: float, requests: int, future: asyncio.Future) -> None:
-        outcome = Outcome(None, "closed", 0.0)
-        try:
-            outcome = await self._read_guarded({v: list(ids) for v, ids in pending.items()}, deadline, requests)
-        finally:
-            if not future.done():
-                future.set_result(outcome)
-
-    async def _read_guarded(self, wanted: dict[str, list[Entity]], deadline: float, requests: int) -> Outcome:
+    def _start(self, read: _Read) -> None:
         name = self.backend.name
         if not self.breaker.allow():
             self.metrics.child(self.metrics.store_reads, name, "rejected").inc()
-            return Outcome(None, "breaker_open", 0.0)
+            self._resolve(read, Outcome(None, "breaker_open", 0.0))
+            return
         self._set_breaker_gauge()
-        self.metrics.child(self.metrics.coalesced, name).observe(requests)
-        start = time.perf_counter()
-        reason: str | None = None
-        # Not asyncio.wait_for: after the timeout it also waits for the cancelled read to unwind
-        # (disconnecting, Feast's clean-up). asyncio.wait ends at the budget whatever the read does;
-        # the cancelled read unwinds in the background.
-        task = asyncio.get_running_loop().create_task(self.backend.read(wanted))
-        done, _ = await asyncio.wait({task}, timeout=max(deadline - start, 1e-4))
-        if not done:
-            task.cancel()
-            self._tasks.add(task)
-            task.add_done_callback(_discard_result(self._tasks))
-            reason, outcome = "timeout", "timeout"
-        elif task.cancelled():
-            reason, outcome = "closed", "error"
-        elif task.exception() is not None:
-            exc = task.exception()
-            reason, outcome = f"error: {type(exc).__name__}: {exc}", "error"
+        self.metrics.child(self.metrics.coalesced, name).observe(read.requests)
+        loop = asyncio.get_running_loop()
+        read.start = time.perf_counter()
+        read.task = task = loop.create_task(self._run(read))
+        self._tasks.add(task)
+        task.add_done_callback(_discard_result(self._tasks))
+        read.timer = loop.call_later(max(read.deadline - read.start, 1e-4), self._expire, read)
+
+    async def _run(self, read: _Read) -> None:
+        wanted = {v: list(ids) for v, ids in read.wanted.items()}
+        try:
+            rows = await self.backend.read(wanted)
+        except asyncio.CancelledError:
+            if not read.over:  # the lane was closed under it
+                self._finish(read, Outcome(None, "closed", time.perf_counter() - read.start), "error")
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failing store degrades the fetch, never raises
+            if not read.over:
+                self._finish(read, Outcome(None, f"error: {type(exc).__name__}: {exc}", time.perf_counter() - read.start), "error")
+            return
+        if not read.over:
+            outcome = Outcome({v: dict(zip(ids, rows[v])) for v, ids in wanted.items()}, None, time.perf_counter() - read.start)
+            self._finish(read, outcome, "ok")
+
+    def _expire(self, read: _Read) -> None:
+        """The earliest caller's budget is spent: answer every waiter now; the read unwinds on its own."""
+        if read.over:
+            return
+        if read.task is not None:
+            read.task.cancel()
+        self._finish(read, Outcome(None, "timeout", time.perf_counter() - read.start), "timeout")
+
+    def _finish(self, read: _Read, outcome: Outcome, result: str) -> None:
+        name = self.backend.name
+        if read.timer is not None:
+            read.timer.cancel()
+        self.metrics.child(self.metrics.store_read_seconds, name).observe(outcome.store_s)
+        self.metrics.child(self.metrics.store_reads, name, result).inc()
+        if outcome.reason is None:
+            self.breaker.record_success()
         else:
-            rows, outcome = task.result(), "ok"
-        elapsed = time.perf_counter() - start
-        self.metrics.child(self.metrics.store_read_seconds, name).observe(elapsed)
-        self.metrics.child(self.metrics.store_reads, name, outcome).inc()
-        if reason is not None:
             self.breaker.record_failure()
-            self._set_breaker_gauge()
-            return Outcome(None, reason, elapsed)
-        self.breaker.record_success()
         self._set_breaker_gauge()
-        return Outcome({v: dict(zip(ids, rows[v])) for v, ids in wanted.items()}, None, elapsed)
+        self._resolve(read, outcome)
+
+    @staticmethod
+    def _resolve(read: _Read, outcome: Outcome) -> None:
+        read.over = True
+        for waiter in read.waiters:
+            if not waiter.done():  # a caller that gave up cancelled its own wait
+                waiter.set_result(outcome)
 
     async def close(self) -> None:
+        self._flush_closed()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.backend.close()
+
+    def _flush_closed(self) -> None:
+        """Fetches still inside the window when the lane closes get a 'closed' outcome, not a hang."""
+        read, self._pending = self._pending, None
+        if read is not None:
+            self._resolve(read, Outcome(None, "closed", 0.0))

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from scorestack import GRPC_CLIENT_EXPERIMENTS
 from scorestack.errors import AdminKeyError, ConfigError, ServerError
 from scorestack.serve.environment import ServerEnvironment, ensure_server_environment
 from scorestack.serve.security import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, ADMIN_KEY_HEADER, RESTRICTED_APIS, AdminKey, ServerTls, build_key_shim, is_loopback, key_handoff
@@ -500,6 +501,9 @@ class LocalTriton:
         # Triton and its stubs need no key in their environment; keep it out of /proc/<pid>/environ.
         launch_env.pop(ADMIN_KEY_ENV, None)
         launch_env.pop(ADMIN_KEY_FILE_ENV, None)
+        # The client-side gRPC setting scorestack puts in its own environment is not Triton's.
+        if launch_env.get("GRPC_EXPERIMENTS") == GRPC_CLIENT_EXPERIMENTS:
+            launch_env.pop("GRPC_EXPERIMENTS")
         handoff = None
         if self.admin_key is not None:
             # Triton takes the key only on its command line: it gets a random placeholder there, and

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import signal
 import time
 
 import numpy as np
@@ -472,6 +474,35 @@ def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, 
         server.stop()
         loop.run_until_complete(fetcher.close())
         loop.run_until_complete(client.close())
+
+
+def test_triton_paused_answers_within_the_deadline(loop, compiled_demo, server_environment):
+    """A server that accepts the connection and never answers (stopped with SIGSTOP, a real fault):
+    the call ends at its deadline through gRPC's own deadline, and works again once it resumes."""
+    _, repository, _, _ = compiled_demo
+    server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], grpc_port=free_port(), http_port=free_port(), metrics_port=free_port()).start()
+
+    async def make():  # gRPC aio channels belong to the loop that made them
+        return TritonClient(server.grpc_url, deadline_s=0.4)
+
+    client = loop.run_until_complete(make())
+    x = np.zeros((1, len(schema.FRAUD_FEATURES)), dtype=np.float32)
+    try:
+        before = loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: x})).outputs
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            for deadline_s in (0.2, 0.4):
+                start = time.monotonic()
+                with pytest.raises(InferenceError, match="fraud_xgb.*deadline exceeded"):
+                    loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: x}, deadline_s=deadline_s))
+                assert time.monotonic() - start < deadline_s + 2.0  # generous: the point is no hang
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        after = loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: x}, deadline_s=5.0)).outputs
+        np.testing.assert_array_equal(after[schema.OUTPUT_TENSORS["binary"]], before[schema.OUTPUT_TENSORS["binary"]])
+    finally:
+        loop.run_until_complete(client.close())
+        server.stop()
 
 
 def test_redis_stopped_gives_degraded_score(loop, triton, private_redis, tmp_path):
