@@ -11,6 +11,9 @@ with features from Redis (REDIS_URL, default 127.0.0.1:6379) through the async f
 2. Fraud end to end (features + inference) on the compiled settings at concurrency 1, 16, 64.
 3. Ranking at concurrency 1 with 100-2000 candidates (the most `scorestack.limits.MAX_CANDIDATES`
    allows), chunks of max_batch_size, by how many of a request's chunks are in Triton at once.
+2 and 3 run under two placements, each on its own server start, alternating over the rounds:
+"shared" (client and Triton may run on every core) and "split" (Triton confined to all cores but
+the first with LocalTriton's `cpus`, this client to the first).
 
 Writes benchmarks/results/request_path.{json,md}, with the load average before and after.
 
@@ -153,11 +156,12 @@ async def closed_loop(triton: TritonClient, model: str, x: np.ndarray, n: int, c
     }
 
 
-def start_server(repository: Path, models: list[str], attempts: int = 3) -> LocalTriton:
-    """A started LocalTriton; a start that fails (two of its free ports drawn equal) is retried."""
+def start_server(repository: Path, models: list[str], attempts: int = 3, cpus: list[int] | None = None) -> LocalTriton:
+    """A started LocalTriton (confined to `cpus` when given); a start that fails (two of its free
+    ports drawn equal) is retried."""
     for attempt in range(attempts):
         try:
-            return LocalTriton(repository, models=models).start()
+            return LocalTriton(repository, models=models, cpus=cpus).start()
         except ServerError:
             if attempt == attempts - 1:
                 raise
@@ -284,6 +288,27 @@ async def run_paths(grpc_url: str, repo: Path, rounds: int, n_rank: int, quick: 
     return out
 
 
+PLACEMENTS = ("shared", "split")
+
+
+def run_paths_placed(repository: Path, repo: Path, placement: str, rounds: int, n_rank: int, quick: bool) -> dict:
+    """The request paths with the server and this client either sharing every core ("shared") or
+    on cores of their own ("split": Triton on all but the first, the client on the first, through
+    LocalTriton's `cpus`). Redis is the machine's service and runs wherever the kernel puts it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    split = placement == "split" and len(cpus) >= 2
+    server = start_server(repository, ["fraud_xgb", "ranking_xgb"], cpus=cpus[1:] if split else None)
+    try:
+        if split:
+            pin([os.getpid()], {cpus[0]})  # every thread of this process, gRPC's included
+        out = asyncio.run(run_paths(server.grpc_url, repo, rounds, n_rank, quick))
+    finally:
+        pin([os.getpid()], set(cpus))
+        server.stop()
+    out["cpus"] = {"client": cpus[:1] if split else cpus, "server": cpus[1:] if split else cpus}
+    return out
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
@@ -313,22 +338,26 @@ def render(result: dict) -> str:
                              f"{c64['p50_ms']:.2f} / {c64['p99_ms']:.2f} · {c64['req_per_s']:.0f} | {c64['avg_batch']:.1f} | {c1['rejected']}/{c16['rejected']}/{c64['rejected']} | "
                              f"{c64['server_cpu_us_per_req']:.0f} | {c1['client_cpu_us_per_req']:.0f} / {c64['client_cpu_us_per_req']:.0f} |")
         lines.append("")
-    if result.get("fraud"):
-        lines += ["## Fraud end to end (features from Redis + inference), compiled settings", "",
-                  f"Feature backend: {result['feature_backend']['fraud'][0]} ({result['feature_backend']['fraud'][1]}).", "",
-                  "| concurrency | served | failed | p50 ms | p99 ms | avg batch | dominant | features | client | queue | compute | network |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for k, v in result["fraud"].items():
-            p = v["phases_mean_ms"]
-            lines.append(f"| {k.split('_')[1]} | {v['served']} | {sum(v['errors'].values())} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} | {v['avg_batch']:.1f} | {v['dominant']} | "
-                         + " | ".join(f"{p[x]:.3f}" for x in ("features", "client", "queue", "compute", "network")) + " |")
-        lines += ["", "Phases are means in ms (features: the fetch; client: validation and assembly; queue/compute: Triton's statistics; network: the rest of the inference call)."]
-    if result.get("ranking"):
-        lines += ["", "## Ranking at concurrency 1: chunks of max_batch_size, by chunks of one request in flight (interleaved rounds)", "",
-                  "| candidates | chunks | in flight | served | rejected (OverloadedError) | infer p50 / p99 ms | total p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
-        for n_c, variants in result["ranking"].items():
-            for k, v in variants.items():
-                lines.append(f"| {n_c.split('_')[1]} | {v['chunks']} | {k} | {v['served']} | {v['rejected']} | {fmt(v['infer_p50_ms'])} / {fmt(v['infer_p99_ms'])} | {fmt(v['total_p50_ms'])} / {fmt(v['total_p99_ms'])} |")
-        lines += ["", "A rejected request is Triton's queue policy at work (REJECT after the compiled queue timeout); the client raises OverloadedError instead of retrying it."]
+    for placement, runs in (result.get("paths") or {}).items():
+        cpus = runs[0]["cpus"] if runs else {}
+        where = ("client and Triton on every core" if placement == "shared" else
+                 f"client on CPU {','.join(map(str, cpus.get('client', [])))}, Triton on CPU {','.join(map(str, cpus.get('server', [])))} (LocalTriton cpus=)")
+        lines += [f"## Fraud end to end (features from Redis + inference), compiled settings, placement {placement}: {where}", "",
+                  f"Feature backend: {runs[0]['feature_backend']['fraud'][0]} ({runs[0]['feature_backend']['fraud'][1]}). Redis is the machine's own service, on any core.", "",
+                  "| round | concurrency | served | failed | p50 ms | p99 ms | avg batch | dominant | features | client | queue | compute | network |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for run in runs:
+            for k, v in run["fraud"].items():
+                p = v["phases_mean_ms"]
+                lines.append(f"| {run['round']} | {k.split('_')[1]} | {v['served']} | {sum(v['errors'].values())} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} | {v['avg_batch']:.1f} | {v['dominant']} | "
+                             + " | ".join(f"{p[x]:.3f}" for x in ("features", "client", "queue", "compute", "network")) + " |")
+        lines += ["", "Phases are means in ms (features: the fetch; client: validation and assembly; queue/compute: Triton's statistics; network: the rest of the inference call).",
+                  "", f"### Ranking at concurrency 1, placement {placement}: chunks of max_batch_size, by chunks of one request in flight", "",
+                  "| round | candidates | chunks | in flight | served | rejected (OverloadedError) | infer p50 / p99 ms | total p50 / p99 ms |", "|---|---|---|---|---|---|---|---|"]
+        for run in runs:
+            for n_c, variants in run["ranking"].items():
+                for k, v in variants.items():
+                    lines.append(f"| {run['round']} | {n_c.split('_')[1]} | {v['chunks']} | {k} | {v['served']} | {v['rejected']} | {fmt(v['infer_p50_ms'])} / {fmt(v['infer_p99_ms'])} | {fmt(v['total_p50_ms'])} / {fmt(v['total_p99_ms'])} |")
+        lines += ["", "A rejected request is Triton's queue policy at work (REJECT after the compiled queue timeout); the client raises OverloadedError instead of retrying it.", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -367,11 +396,16 @@ def main() -> None:
     if args.only in (None, "batching"):
         result["batching"] = run_batching(repository, args.rounds, conc, [v.strip() for v in args.variants.split(",") if v.strip()])
     if args.only in (None, "paths"):
-        server = start_server(repository, ["fraud_xgb", "ranking_xgb"])
-        try:
-            result.update(asyncio.run(run_paths(server.grpc_url, repo, args.rounds, max(2, args.ranking_requests // (5 if args.quick else 1)), args.quick)))
-        finally:
-            server.stop()
+        # Each placement on its own server start, in alternating order over the rounds.
+        runs: dict[str, list[dict]] = {p: [] for p in PLACEMENTS}
+        n_rank = max(2, args.ranking_requests // (5 if args.quick else 1))
+        for r in range(args.rounds):
+            for placement in PLACEMENTS if r % 2 == 0 else tuple(reversed(PLACEMENTS)):
+                print(f"paths, placement {placement}, round {r}", flush=True)
+                run = run_paths_placed(repository, repo, placement, 1, n_rank, args.quick)
+                run["round"] = r
+                runs[placement].append(run)
+        result["paths"] = runs
         result["served_settings"] = {"fraud_xgb": served_settings(repository / "fraud_xgb"), "ranking_xgb": served_settings(repository / "ranking_xgb")}
     result["machine"] = {
         "cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(), "seconds": round(time.time() - t, 1),
@@ -387,7 +421,7 @@ def main() -> None:
             result["batching"] = previous["batching"]
             result["batching"].setdefault("carried_from", {k: previous["machine"].get(k) for k in ("date", "commit")})
         elif args.only == "batching":
-            for key in ("fraud", "ranking", "feature_backend", "served_settings"):
+            for key in ("paths", "served_settings"):
                 if key in previous:
                     result[key] = previous[key]
             result["paths_carried_from"] = {k: previous["machine"].get(k) for k in ("date", "commit")}

@@ -26,6 +26,7 @@ def serve(
     mtls: bool = typer.Option(False, "--mtls", help="With --tls-dir: mutual TLS, clients must present a certificate signed by DIR/ca.crt."),
     admin_key_file: Optional[Path] = typer.Option(None, "--admin-key-file", help="File holding the admin key (default: $SCORESTACK_ADMIN_KEY, else the file $SCORESTACK_ADMIN_KEY_FILE). Never pass the key itself on a command line."),
     allow_open_admin: bool = typer.Option(False, "--allow-open-admin", help="Serve on a non-loopback address without an admin key (anyone who reaches the port may load and unload models)."),
+    cpus: Optional[str] = typer.Option(None, "--cpus", help="CPUs tritonserver may run on, e.g. 1 or 2-3 (default: all of this process's). Give the server cores of its own where its callers share the machine."),
 ) -> None:
     """Run a real Triton Inference Server on this machine until Ctrl-C.
 
@@ -68,6 +69,7 @@ def serve(
         watch_interval_s=watch_s or None,
         admin_key=admin_key,
         tls=tls,
+        cpus=cpus,
     )
     with console.status("starting tritonserver (first run creates the server environment: a few minutes)"):
         server.start()
@@ -77,6 +79,8 @@ def serve(
             console.print(f"  [green]ready[/green]     {name} (versions {', '.join(status.versions)})", soft_wrap=True)
         else:
             console.print(f"  [red]not ready[/red] {name}: {status.reason}", soft_wrap=True)
+    if server.cpus is not None:
+        console.print(f"  cpus    {','.join(str(c) for c in sorted(server.cpus))}")
     console.print(f"  gRPC    {server.grpc_url}{' (mutual TLS)' if mtls else ' (TLS)' if tls else ' (plaintext)'}\n  HTTP    {server.http_url} (plaintext)\n  metrics {server.metrics_url}\n  log     {server.log_path}")
     if admin_key is not None:
         # The key's source, never the key.

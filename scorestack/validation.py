@@ -67,6 +67,10 @@ def entity_ids(values: Sequence[Any], field: str, key_type: str = "Int64") -> li
 
 def number(value: Any, field: str, *, float32: bool = True) -> float:
     """A finite real number (that fits float32 unless `float32=False`); bools count as 0/1 for flag fields."""
+    cls = value.__class__
+    # The common case first, in one comparison (NaN and infinities fail it and take the full rules).
+    if (cls is float or cls is int) and -_FLOAT32_MAX <= value <= _FLOAT32_MAX:
+        return float(value)
     if isinstance(value, (bool, np.bool_)):
         return float(value)
     if not isinstance(value, numbers.Real):

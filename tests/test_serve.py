@@ -242,6 +242,59 @@ def test_two_servers_at_once(onnx_repo, server_env):
     assert not list(Path("/dev/shm").glob(f"{a[2]}*")) and not list(Path("/dev/shm").glob(f"{b[2]}*"))
 
 
+def _threads_cpus(pid: int) -> dict[str, str]:
+    """Cpus_allowed_list of every thread of `pid` and of its child processes (the backend stubs)."""
+    out: dict[str, str] = {}
+    pids = [pid]
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if children.exists():
+        pids += [int(c) for c in children.read_text().split()]
+    for p in pids:
+        for task in Path(f"/proc/{p}/task").iterdir():
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    out[f"{p}/{task.name}"] = line.split(":", 1)[1].strip()
+    return out
+
+
+def test_server_confined_to_its_cpus(onnx_repo, server_env):
+    import os
+
+    mine = sorted(os.sched_getaffinity(0))
+    chosen = mine[-1]  # on a machine of one CPU this is the same set, and still must hold
+    X = np.random.default_rng(4).normal(size=(5, N_FEATURES)).astype(np.float32)
+    want, _ = _reference(onnx_repo, X)
+    with LocalTriton(onnx_repo, server_env=server_env, cpus=str(chosen)) as s:
+        placement = _threads_cpus(s.process.pid)
+        c = grpcclient.InferenceServerClient(s.grpc_url)
+        inp = grpcclient.InferInput("X", list(X.shape), "FP32")
+        inp.set_data_from_numpy(X)
+        got = c.infer("gb", [inp]).as_numpy("probabilities")
+    assert len(placement) > 5  # tritonserver's threads, not just its main one
+    assert set(placement.values()) == {str(chosen)}, placement
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert sorted(os.sched_getaffinity(0)) == mine  # this process keeps its own CPUs
+
+
+@pytest.mark.parametrize(
+    ("cpus", "match"),
+    [("", "cpus: empty"), ("one", "not a CPU list"), ("3-1", "not a CPU list"), ("4096", "not available to this process"), ([], "cpus: empty")],
+)
+def test_bad_cpus_are_named(onnx_repo, cpus, match):
+    with pytest.raises(ConfigError, match=match):
+        LocalTriton(onnx_repo, cpus=cpus)
+
+
+def test_cpu_lists_parse():
+    from scorestack.serve.server import parse_cpus
+    import os
+
+    first = min(os.sched_getaffinity(0))
+    assert parse_cpus(str(first)) == {first}
+    assert parse_cpus([first]) == {first}
+    assert parse_cpus(f"{first}-{first}, {first}") == {first}
+
+
 def test_failed_start_reports_why(tmp_path, server_env, onnx_repo):
     repo = tmp_path / "repo"
     (repo / "broken" / "1").mkdir(parents=True)
