@@ -509,6 +509,9 @@ async def _run_job(job: Job) -> WorkerResult:
 
 
 def _worker_main(conn, cpus: list[int] | None) -> None:  # noqa: ANN001 - a multiprocessing Connection
+    # gRPC's older client poller, as scorestack's clients use it (scorestack/__init__.py): read when
+    # grpc is first imported, which in this spawned process happens after this line.
+    os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client")
     if cpus:
         os.sched_setaffinity(0, cpus)
     if os.environ.get("LOADGEN_LOOP", "uvloop") == "uvloop":

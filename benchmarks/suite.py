@@ -351,7 +351,8 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
     peers, failed = start_peers(model, run_dir, names)
     data["peers"] = {n: {"description": p.description, "protocol": p.protocol, "config": p.config, "versions": p.versions} for n, p in peers.items()}
     data["peers_failed"] = failed
-    data["loadgen"] = {"workers": args.workers, "pinned_cpus": cpus, "grpc": "grpc.aio raw unary call with prebuilt ModelInferRequest bytes (uvloop)",
+    data["loadgen"] = {"workers": args.workers, "pinned_cpus": cpus, "grpc": "grpc.aio raw unary call with prebuilt ModelInferRequest bytes (uvloop), gRPC's older client poller "
+                     f"(GRPC_EXPERIMENTS={os.environ.get('GRPC_EXPERIMENTS', '')!r}; grpcio's default EventEngine client cost the load generator ~1/3 more CPU per call)",
                        "http": "asyncio protocol, prebuilt HTTP/1.1 keep-alive requests, one connection per outstanding request (uvloop)",
                        "versions": servers._pkg_versions(("grpcio", "tritonclient", "protobuf", "uvloop", "aiohttp", "numpy"))}
     runs: list[dict] = []
