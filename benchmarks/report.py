@@ -106,7 +106,9 @@ def evaluate_peers(data: dict) -> list[dict]:
                                                f"{_f(onx['server_cpu_us_per_request'], '{:.0f}')} µs server CPU/request (gRPC frontend, Python backend stub IPC)")})
     shared = _point(s, "scorestack", "open", "1.2")
     pinned = next((p for p in (data.get("overload_pinned") or {}).get("points", []) if p["mode"] == "open" and p["fraction"] == 1.2), None)
-    for over, where in ((pinned, "server pinned to one core, load generator on the other"), (shared, "server and load generator sharing the cores")):
+    placement = (f"server on cores {data['settings']['server_cpus']}, load generator on cores {data['settings'].get('client_cpus')}"
+                 if (data.get("settings") or {}).get("server_cpus") else "server and load generator sharing the cores")
+    for over, where in ((pinned, "server pinned to one core, load generator on the other"), (shared, placement)):
         if not over:
             continue
         rejected = over["errors"].get("rejected", 0)
@@ -222,7 +224,9 @@ def render_peers(data: dict) -> list[str]:
         f"Model: {data['model']['source']}; scorestack serves its compiled form ({data['model']['selected']}: "
         f"{', '.join(data['model']['artifacts'] or [])}) with the derived Triton settings {json.dumps(data['model']['triton'])}; "
         f"latency budget {data['model']['latency_budget_ms']} ms. Every server runs on the same machine as the load generator "
-        f"(they share the {m['cores']} cores); every point is the median over rounds, ranges in brackets. "
+        + (f"(every server, its whole process tree, pinned to cores {data['settings']['server_cpus']}; the load generator to cores "
+           f"{data['settings'].get('client_cpus')})" if data["settings"].get("server_cpus") else f"(they share the {m['cores']} cores)")
+        + "; every point is the median over rounds, ranges in brackets. "
         "Requests: one row each (batch 1), 64 distinct held-out rows cycled.",
         "",
         "| target | protocol | c1 p50 ms | c1 p99 ms | c16 req/s | c16 p99 ms | c64 req/s [range] | c64 p50 ms | c64 p99 ms | c64 p99.9 ms | errors @c64 | server CPU µs/req @c64 | load gen cores @c64 | avg batch @c64 | Triton avg in server ms @c64 |",

@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--open-fractions", default="0.5,0.8,1.2", help="open-loop rates as fractions of each target's closed-loop maximum")
     ap.add_argument("--workers", type=int, default=1, help="load generator processes (each is a Python process on these 2 cores)")
     ap.add_argument("--client-cpus", default=None, help="pin the load generator to these cores, e.g. 1 or 0,1")
+    ap.add_argument("--server-cpus", default=None,
+                    help="pin every server (each peer's whole process tree, the same cores for all) to these cores, e.g. 1; "
+                         "with --client-cpus 0, servers and load generator on cores of their own")
     ap.add_argument("--no-client-check", action="store_true", help="skip the raw-vs-stock client cost comparison")
     ap.add_argument("--no-overload-check", action="store_true",
                     help="skip the pinned overload check (scorestack on one core, the load generator on the other, open loop above capacity)")
@@ -290,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     fractions = [float(f) for f in args.open_fractions.split(",")]
     cpus = [int(c) for c in args.client_cpus.split(",")] if args.client_cpus else None
+    args.server_cpu_list = [int(c) for c in args.server_cpus.split(",")] if args.server_cpus else None
 
     started_at = time.time()
     waited = hold_quiet(args.quiet_file, args.quiet_wait) if args.quiet_file else None
@@ -332,7 +336,8 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
         "command": " ".join(["benchmarks/suite.py", *(argv if argv is not None else sys.argv[1:])]),
         "mode": "quick" if args.quick else "full",
         "settings": {"rounds": rounds, "duration_s": duration, "warmup_s": warmup, "concurrency": concurrencies, "open_fractions": fractions,
-                     "loadgen_workers": args.workers, "client_cpus": cpus, "requests": "64 distinct held-out fraud rows, cycled"},
+                     "loadgen_workers": args.workers, "client_cpus": cpus, "server_cpus": args.server_cpu_list,
+                     "requests": "64 distinct held-out fraud rows, cycled"},
         "machine": machine_info(), "load_before": loadavg(),
         "quiet_file": waited,
     }
@@ -349,6 +354,10 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
                      "triton_rules": model.report.get("triton", {}).get("rules", [])}
     run_dir = servers.tmp_run_dir("scorestack-peers-")
     peers, failed = start_peers(model, run_dir, names)
+    if args.server_cpu_list:
+        for name, peer in peers.items():
+            pinned = servers.pin_tree(peer.pids(), args.server_cpu_list)
+            log(f"{name}: {len(pinned)} server threads pinned to cores {args.server_cpu_list}")
     data["peers"] = {n: {"description": p.description, "protocol": p.protocol, "config": p.config, "versions": p.versions} for n, p in peers.items()}
     data["peers_failed"] = failed
     data["loadgen"] = {"workers": args.workers, "pinned_cpus": cpus, "grpc": "grpc.aio raw unary call with prebuilt ModelInferRequest bytes (uvloop), gRPC's older client poller "
