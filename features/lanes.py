@@ -55,8 +55,9 @@ class Lane:
     shared read). A read is one task: it resolves its waiters when the store answers, or a timer at
     the earliest caller's deadline resolves them with a timeout, cancels the read and lets it
     unwind in the background (a cancelled Feast read may take a while to clean up). At concurrency 1
-    a fetch costs two event-loop turns on top of the store's own I/O: the window's flush, and the
-    wake-up of the caller.
+    a fetch costs three event-loop turns on top of the store's own I/O: the window's flush, the
+    read task's first step and the caller's wake-up (it was six, with a task per read, a task
+    around it, `asyncio.wait` and `shield`).
     """
 
     def __init__(self, backend: Backend, breaker: CircuitBreaker, window_s: float | None, metrics: FetchMetrics) -> None:
