@@ -79,6 +79,8 @@ async def test_fetch_returns_feasts_values(request, online, backend):
     items = [*range(1, 101), 77_777, 3]
     async with FeatureFetcher(fs, backend=backend, timeout_s=2.0) as fetcher:
         assert fetcher.backend_of("fraud") == backend
+        if backend == "direct":  # the demo's connection string is all the lean connection's (features/resp.py)
+            assert fetcher._lanes["direct"].backend.lean_reason is None
         defaults = _defaults(fetcher)
 
         fraud = await fetcher.fetch("fraud", [{"user_id": u} for u in users])
