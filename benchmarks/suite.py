@@ -429,7 +429,8 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
     tmp.write_text(json.dumps(data, indent=1, default=float))
     tmp.replace(args.out)
     log(f"wrote {args.out} ({data['seconds']} s)")
-    md = report.write_report() if args.out == RESULTS / "peers.json" else report.write_report(out=args.out.with_suffix(".md"), sources={"peers.json": args.out})
+    md = report.write_report() if args.out == RESULTS / "peers.json" else report.write_report(out=args.out.with_suffix(".md"), sources={"peers.json": args.out}, title=(
+        f"Benchmarks: every server on cores {args.server_cpu_list}, the load generator on cores {cpus}" if args.server_cpu_list else f"Benchmarks ({args.out.name})"))
     log(f"wrote {md}")
     for row in data["must_show"]:
         log(f"{'MET   ' if row['met'] else 'MISSED'} {row['target']}: {row['measured']}")
