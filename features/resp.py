@@ -8,22 +8,22 @@ read's replies. Reads pipeline on one connection (Redis answers in order), so no
 read whose caller gave up drops the connection (a stalled server or a dead link must not hold the
 reads queued behind it); the next read connects again.
 
-Only what the direct reader needs: TCP or TLS, AUTH and SELECT at connect. Anything else in the
-connection string makes `lean_params` refuse and the reader keeps redis-py.
+Only what the direct reader needs: plain TCP, AUTH and SELECT at connect. Anything else in the
+connection string (TLS among it: redis-py's TLS options are the tested ones, tests/test_features_tls.py)
+makes `lean_params` refuse and the reader keeps redis-py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import ssl as ssl_module
 from collections import deque
 from typing import Any
 
 import hiredis
 
 # Connection-string parameters (Feast's `host:port,key=value,...`) this connection implements.
-LEAN_PARAMS = frozenset({"db", "password", "username", "ssl", "socket_connect_timeout", "socket_keepalive"})
+LEAN_PARAMS = frozenset({"db", "password", "username", "socket_connect_timeout", "socket_keepalive"})
 
 
 def lean_params(params: dict[str, Any]) -> str | None:
@@ -32,13 +32,14 @@ def lean_params(params: dict[str, Any]) -> str | None:
     return f"connection parameters {other} are not implemented by the lean reader" if other else None
 
 
+def bulk(value: bytes) -> bytes:
+    """One argument of a command in RESP framing."""
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
 def pack(*args: bytes | str | int) -> bytes:
     """One command in RESP framing."""
-    parts = [b"*%d\r\n" % len(args)]
-    for a in args:
-        b = a if isinstance(a, bytes) else str(a).encode()
-        parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(parts)
+    return b"*%d\r\n" % len(args) + b"".join(bulk(a if isinstance(a, bytes) else str(a).encode()) for a in args)
 
 
 class _Protocol(asyncio.Protocol):
@@ -97,7 +98,6 @@ class RespConnection:
         db: int = 0,
         password: str | None = None,
         username: str | None = None,
-        ssl: bool = False,
         socket_connect_timeout: float | None = None,
         socket_keepalive: bool = False,
     ) -> None:
@@ -109,14 +109,13 @@ class RespConnection:
             self._setup.append(pack("AUTH", *([username] if username else []), password))
         if int(db or 0):
             self._setup.append(pack("SELECT", int(db)))
-        self._ssl = ssl_module.create_default_context() if ssl else None
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future | None = None
 
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self._connect_timeout):
-            transport, protocol = await loop.create_connection(_Protocol, self.host, self.port, ssl=self._ssl)
+            transport, protocol = await loop.create_connection(_Protocol, self.host, self.port)
         try:
             sock = transport.get_extra_info("socket")
             if sock is not None:
@@ -133,10 +132,7 @@ class RespConnection:
             raise
         return protocol
 
-    async def _protocol_ready(self) -> _Protocol:
-        protocol = self._protocol
-        if protocol is not None and protocol.lost is None:
-            return protocol
+    async def _reconnected(self) -> _Protocol:
         # One connect at a time; concurrent reads wait for it (each still bounded by its caller).
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
@@ -159,7 +155,7 @@ class RespConnection:
         """Send pre-packed commands and return their `n_replies` replies (errors as exceptions in the list)."""
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:
-            protocol = await self._protocol_ready()
+            protocol = await self._reconnected()
         future = self._send(protocol, packed, n_replies)
         try:
             return await future

@@ -114,9 +114,9 @@ def parse_cpus(cpus: "Collection[int] | str", *, field: str = "cpus") -> frozens
     """A CPU set for the server: ints, or a list like "1", "0,2" or "2-3", each CPU one this process may use.
 
     On a machine shared by the server and its callers, a server confined to its own cores wakes its
-    threads (gRPC frontend, batcher, model instances) on one core instead of across cores; on this
-    2-core machine that took the fraud model call at concurrency 1 from ~0.60 to ~0.40 ms
-    (benchmarks/results/request_path.md).
+    threads (gRPC frontend, batcher, model instances) on one core instead of across cores; on the
+    2-core project machine that took the fraud model call at concurrency 1 (queue + compute +
+    network phases) from 0.59-0.61 to 0.40-0.44 ms (benchmarks/results/request_path.md).
     """
     if isinstance(cpus, str):
         chosen: set[int] = set()
