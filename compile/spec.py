@@ -168,7 +168,7 @@ class ChannelPruningSpec(_Strict):
     """Image models: remove the lowest-L1 convolution channels (layers rebuilt smaller), then fine-tune briefly."""
 
     enabled: bool = True
-    keep_ratio: float = Field(default=0.5, gt=0, lt=1)  # share of each prunable layer's channels kept
+    keep_ratio: float = Field(default=0.5, gt=0, lt=1)  # share of each prunable layer's channels kept (rounded to a multiple of 8: vision_models.kept_channels)
     epochs: PositiveInt = 5
     learning_rate: PositiveFloat = 2e-3
     soft_weight: float = Field(default=0.5, ge=0, le=1)  # share of the unpruned model's softened outputs in the fine-tuning loss

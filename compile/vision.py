@@ -201,7 +201,12 @@ def predict(sm: Any, X: np.ndarray, batch: int = 256) -> np.ndarray:
 
 
 def to_float(image: ImageSpec, X: np.ndarray):  # -> torch.Tensor
-    """Preprocessed float32 [N, C, H, W] (the source model's input) from uint8 wire images."""
+    """Preprocessed float32 [N, C, H, W] (the source model's input) from uint8 wire images, in plain NCHW memory order.
+
+    From HWC images the preprocessing's permute leaves channels-last strides, which for one channel also
+    count as contiguous, so `.contiguous()` keeps them. torch 2.13's CPU convolution backward on such a
+    tensor, with 2 threads and a layer of odd width (11, 22, 45 channels), aborted the process ("double
+    free or corruption"; reproduced with random weights and data), so training data is copied to NCHW."""
     torch = _torch()
     with torch.no_grad():
-        return preprocess_module(image)(torch.from_numpy(np.ascontiguousarray(X)))
+        return preprocess_module(image)(torch.from_numpy(np.ascontiguousarray(X))).clone(memory_format=torch.contiguous_format)
