@@ -631,6 +631,69 @@ class LoadGenerator:
         return res
 
 
+H2LOAD_INSTALL = "apt-get install nghttp2-client (Debian/Ubuntu)"
+
+
+def h2load_missing() -> str | None:
+    """None when nghttp2's h2load (a C HTTP/2 load generator) is on PATH, else why not and how to get it."""
+    import shutil
+
+    return None if shutil.which("h2load") else f"h2load is not installed ({H2LOAD_INSTALL})"
+
+
+def h2load_open(target: Target, rate: float, duration_s: float, cpus: Sequence[int] | None = None, *, clients: int = 8,
+                streams: int = 4096, workdir: str | None = None) -> dict:
+    """Open loop at `rate` requests/s from nghttp2's h2load: one C thread, `clients` HTTP/2 connections each sending
+    at rate/clients per second (h2load's --rps: evenly spaced, not Poisson), up to `streams` outstanding per connection.
+
+    Why: the Python generator needs ~0.15 ms of CPU per open-loop request, so one core cannot offer more than a
+    server pinned to the other core carries; h2load can. Every request is the target's first prebuilt
+    ModelInferRequest in gRPC framing. h2load knows HTTP status only (gRPC errors come as HTTP 200 with a
+    grpc-status trailer), so the caller counts rejections on the server (Triton's statistics); latencies here
+    are of every answer, from the actual send, with h2load's own CPU share and its achieved send rate.
+    """
+    import resource
+    import subprocess
+    import tempfile
+
+    if target.protocol != "grpc":
+        raise LoadGenError(f"target {target.name}: the h2load generator speaks gRPC only")
+    missing = h2load_missing()
+    if missing:
+        raise LoadGenError(missing)
+    body = target.payloads[0]
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        body_file, log_file = os.path.join(tmp, "body.bin"), os.path.join(tmp, "log.tsv")
+        with open(body_file, "wb") as f:
+            f.write(b"\x00" + len(body).to_bytes(4, "big") + body)
+        cmd = ["h2load", f"http://{target.address}{GRPC_INFER_PATH}", "-t", "1", "-c", str(clients), "-m", str(streams),
+               "--rps", str(max(1, round(rate / clients))), "-D", str(max(1, round(duration_s))), "-d", body_file,
+               "-H", "content-type: application/grpc", "-H", "te: trailers", "--log-file", log_file]
+        if cpus:
+            cmd = ["taskset", "-c", ",".join(str(c) for c in cpus), *cmd]
+        usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.monotonic()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + target.deadline_s + 60)
+        wall = time.monotonic() - t0
+        usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if done.returncode != 0:
+            raise LoadGenError(f"target {target.name}: h2load exited {done.returncode}: {(done.stderr or done.stdout)[-500:]}")
+        rows = np.loadtxt(log_file, dtype=np.int64, ndmin=2) if os.path.getsize(log_file) else np.zeros((0, 3), np.int64)
+    lat = rows[:, 2] / 1000.0
+    http_ok = int(np.sum((rows[:, 1] >= 200) & (rows[:, 1] < 300))) if len(rows) else 0
+    summary = [ln.strip() for ln in done.stdout.splitlines() if ln.strip().startswith(("requests:", "status codes:", "finished in"))]
+    span = (rows[:, 0].max() - rows[:, 0].min()) / 1e6 if len(rows) > 1 else float(duration_s)
+    pct = np.percentile(lat, PERCENTILES) if len(lat) else [float("nan")] * len(PERCENTILES)
+    cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+    return {
+        "generator": f"h2load ({done.stdout.splitlines()[0].strip() if done.stdout else 'nghttp2'}), 1 thread, {clients} connections x {streams} streams",
+        "rate": rate, "duration_s": span, "answered": len(rows), "http_2xx": http_ok,
+        "achieved_rate": len(rows) / max(span, 1e-9), "latencies_ms": lat,
+        "p50_ms": float(pct[0]), "p90_ms": float(pct[1]), "p99_ms": float(pct[2]), "p999_ms": float(pct[3]), "max_ms": float(lat.max()) if len(lat) else float("nan"),
+        "client_cpu_cores": cpu / max(wall, 1e-9), "h2load_summary": summary,
+    }
+
+
 def _tree_cpu(pids: list[int]) -> float:
     """CPU seconds (user + system) of these processes and all their descendants."""
     import psutil

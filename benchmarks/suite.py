@@ -183,7 +183,8 @@ def run_history(path: Path, keep: int = 6) -> list[dict]:
 def overload_check(peer: servers.Peer, target: loadgen.Target, duration_s: float, warmup_s: float, fractions: list[float]) -> dict:
     """scorestack's server on core 0, the load generator alone on core 1: capacity (closed loop, 64 callers), then
     open loop at the same fractions of it. Apart, the load generator can offer more than the server carries, which on
-    shared cores it cannot (it needs ~0.15 ms of CPU per open-loop request)."""
+    shared cores it cannot (it needs ~0.15 ms of CPU per open-loop request). The same fractions again from nghttp2's
+    h2load (C) when installed: one Python process on one core cannot keep an open-loop schedule above ~10k/s."""
     cores = sorted(os.sched_getaffinity(0))
     server_core, client_core = cores[0], cores[-1]
     pinned = servers.pin_tree(peer.pids(), [server_core])
@@ -205,8 +206,47 @@ def overload_check(peer: servers.Peer, target: loadgen.Target, duration_s: float
                                          server_stats=res.__dict__.get("server_stats")))
             log(f"overload check open {f:.0%} ({f * cap.throughput:,.0f}/s): served {res.throughput:,.0f} req/s p99 {res.p99_ms:.2f} ms "
                 f"(from send {res.p99_from_send_ms:.2f}) errors {res.errors or 0} send lag p99 {res.send_lag_ms_p99:.2f} ms")
+    missing = loadgen.h2load_missing()
+    if missing:
+        out["h2load"] = {"missing": missing}
+        log(f"overload check with h2load skipped: {missing}")
+    else:
+        out["h2load"] = {"points": []}
+        for f in fractions:
+            rate = f * cap.throughput
+            try:
+                out["h2load"]["points"].append(h2load_point(peer, target, rate, f, duration_s, [client_core]))
+            except loadgen.LoadGenError as exc:
+                out["h2load"].setdefault("failed_points", []).append({"fraction": f, "reason": str(exc)})
+                continue
+            p = out["h2load"]["points"][-1]
+            log(f"overload check h2load open {f:.0%} ({rate:,.0f}/s): sent {p['achieved_rate']:,.0f}/s, served {p['throughput']:,.0f}/s, "
+                f"rejected {p['errors']['rejected']:,} of {p['sent']:,}, served p99 <= {p['p99_ms']:.2f} ms, h2load {p['client_cpu_cores']:.2f} cores")
     servers.pin_tree(peer.pids(), cores)  # back to every core
     return out
+
+
+def h2load_point(peer: servers.Peer, target: loadgen.Target, rate: float, fraction: float, duration_s: float, cpus: list[int]) -> dict:
+    """One open-loop point from h2load. Rejections are counted by Triton (h2load sees HTTP status only); the served
+    requests' p99 is bounded from above: with R rejected and S served of the T answers, rejected answers may be the
+    fastest, so the served 99th percentile is at most the all-answer quantile at (R + 0.99 S) / T."""
+    before = peer.stats()
+    r = loadgen.h2load_open(target, rate, duration_s, cpus)
+    after = peer.stats()
+    if not (before and after):
+        raise loadgen.LoadGenError("Triton's statistics did not answer: rejections cannot be counted")
+    ok, fail = after["success"] - before["success"], after["fail"] - before["fail"]
+    lat = r.pop("latencies_ms")
+    q = (fail + 0.99 * ok) / max(ok + fail, 1)
+    served_p99 = float(np.quantile(lat, min(q, 1.0))) if len(lat) else float("nan")
+    d = {k: after[k] - before[k] for k in after}
+    stats = {"inferences": d["inferences"], "failed": fail,
+             "avg_batch": round(d["inferences"] / d["executions"], 2) if d["executions"] else None,
+             "avg_request_ms": round(d["success_ns"] / ok / 1e6, 3) if ok else None,
+             "avg_queue_ms": round(d["queue_ns"] / d["queue"] / 1e6, 3) if d["queue"] else None}
+    return {**r, "mode": "open", "fraction": fraction, "sent": ok + fail, "throughput": ok / max(r["duration_s"], 1e-9),
+            "errors": {"rejected": fail}, "p99_all_ms": r["p99_ms"], "p99_ms": served_p99, "p99_from_send_ms": served_p99,
+            "send_lag_ms_p99": None, "server_stats": stats}
 
 
 def summarize_runs(runs: list[dict]) -> dict:
@@ -277,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-overload-check", action="store_true",
                     help="skip the pinned overload check (scorestack on one core, the load generator on the other, open loop above capacity)")
     ap.add_argument("--out", type=Path, default=RESULTS / "peers.json")
+    ap.add_argument("--title", default=None, help="the report's title when --out is not the default (peers.json)")
     ap.add_argument("--recompile", action="store_true", help="compile the fraud model again even if its spec is unchanged (after a compiler change)")
     ap.add_argument("--quiet-file", type=Path, default=None,
                     help="a shared 'someone is measuring' marker: wait while another process holds it, hold it while this suite measures")
@@ -430,7 +471,7 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
     tmp.replace(args.out)
     log(f"wrote {args.out} ({data['seconds']} s)")
     md = report.write_report() if args.out == RESULTS / "peers.json" else report.write_report(out=args.out.with_suffix(".md"), sources={"peers.json": args.out}, title=(
-        f"Benchmarks: every server on cores {args.server_cpu_list}, the load generator on cores {cpus}" if args.server_cpu_list else f"Benchmarks ({args.out.name})"))
+        args.title or (f"Benchmarks: every server on cores {args.server_cpu_list}, the load generator on cores {cpus}" if args.server_cpu_list else f"Benchmarks ({args.out.name})")))
     log(f"wrote {md}")
     for row in data["must_show"]:
         log(f"{'MET   ' if row['met'] else 'MISSED'} {row['target']}: {row['measured']}")
