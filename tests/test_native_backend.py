@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
 import xgboost as xgb
 import yaml
 
@@ -136,15 +137,27 @@ def test_concurrent_requests_of_mixed_sizes_are_joined_and_split_exactly(reposit
     starts = np.cumsum([0] + sizes[:-1]) % (len(X) - 16)
     with LocalTriton(repository, models=["kernel", "dispatched", "python"], server_env=server_environment) as server:
 
-        async def send_all(name: str) -> list[np.ndarray]:
+        async def send_all(name: str, rejected: list[str]) -> list[np.ndarray]:
             client = grpcaio.InferenceServerClient(server.grpc_url)
             try:
 
                 async def one(lo: int, n: int) -> np.ndarray:
                     inp = grpcaio.InferInput("features", [n, N_FEATURES], "FP32")
                     inp.set_data_from_numpy(np.ascontiguousarray(X[lo : lo + n]))
-                    result = await client.infer(name, [inp], client_timeout=60)
-                    return result.as_numpy("probability").astype(np.float64)
+                    for _ in range(3):
+                        try:
+                            result = await client.infer(name, [inp], client_timeout=60)
+                            return result.as_numpy("probability").astype(np.float64)
+                        except InferenceServerException as exc:
+                            # Triton 2.51's batcher with a queue policy can miss an instance's wake-up when a burst ends
+                            # and hold the last requests until the queue timeout rejects them (README, "The queue policy
+                            # on Triton 2.51"; one CI run of 108 requests hit it). This test checks joining and splitting,
+                            # so a rejected request is sent again and counted below (scorestack's client does not retry
+                            # rejections: it raises OverloadedError).
+                            if "Request timeout expired" not in str(exc):
+                                raise
+                            rejected.append(name)
+                    raise AssertionError(f"{name}: rejected 3 times in a row")
 
                 return await asyncio.gather(*(one(int(lo), n) for lo, n in zip(starts, sizes)))
             finally:
@@ -153,7 +166,8 @@ def test_concurrent_requests_of_mixed_sizes_are_joined_and_split_exactly(reposit
         stats_client = grpcclient.InferenceServerClient(server.grpc_url)
         for name in ("kernel", "dispatched", "python"):
             before = stats_client.get_inference_statistics(name, as_json=True)["model_stats"][0]
-            outs = asyncio.run(send_all(name))
+            rejected: list[str] = []
+            outs = asyncio.run(send_all(name, rejected))
             for out, lo, n in zip(outs, starts, sizes):
                 assert out.shape == (n, 1), (name, n)
                 np.testing.assert_allclose(out[:, 0], _want(booster, X[lo : lo + n]), rtol=0, atol=1e-5, err_msg=name)
@@ -164,6 +178,8 @@ def test_concurrent_requests_of_mixed_sizes_are_joined_and_split_exactly(reposit
             executions = int(after.get("execution_count", 0)) - int(before.get("execution_count", 0))
             assert rows == sum(sizes), name
             assert ok == len(sizes), name
+            failed = int(after["inference_stats"].get("fail", {}).get("count", 0)) - int(before["inference_stats"].get("fail", {}).get("count", 0))
+            assert failed == len(rejected) <= 3, (name, failed, rejected)
             assert 1 <= executions <= len(sizes), name
         stats_client.close()
 
