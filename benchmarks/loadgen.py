@@ -641,6 +641,13 @@ def h2load_missing() -> str | None:
     return None if shutil.which("h2load") else f"h2load is not installed ({H2LOAD_INSTALL})"
 
 
+def _h2load_version() -> str:
+    import subprocess
+
+    out = subprocess.run(["h2load", "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    return out.splitlines()[0] if out else "h2load"
+
+
 def h2load_open(target: Target, rate: float, duration_s: float, cpus: Sequence[int] | None = None, *, clients: int = 8,
                 streams: int = 4096, workdir: str | None = None) -> dict:
     """Open loop at `rate` requests/s from nghttp2's h2load: one C thread, `clients` HTTP/2 connections each sending
@@ -686,7 +693,7 @@ def h2load_open(target: Target, rate: float, duration_s: float, cpus: Sequence[i
     pct = np.percentile(lat, PERCENTILES) if len(lat) else [float("nan")] * len(PERCENTILES)
     cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
     return {
-        "generator": f"h2load ({done.stdout.splitlines()[0].strip() if done.stdout else 'nghttp2'}), 1 thread, {clients} connections x {streams} streams",
+        "generator": f"{_h2load_version()}, 1 thread, {clients} connections x {streams} streams",
         "rate": rate, "duration_s": span, "answered": len(rows), "http_2xx": http_ok,
         "achieved_rate": len(rows) / max(span, 1e-9), "latencies_ms": lat,
         "p50_ms": float(pct[0]), "p90_ms": float(pct[1]), "p99_ms": float(pct[2]), "p999_ms": float(pct[3]), "max_ms": float(lat.max()) if len(lat) else float("nan"),

@@ -37,6 +37,11 @@ def _f(x, fmt: str = "{:.2f}") -> str:  # noqa: ANN001
     return "–" if x is None else fmt.format(x)
 
 
+def _triton_cells(st: dict) -> str:
+    """The table cells 'Triton avg in server ms | Triton avg queue ms | avg batch' from a point's server_stats."""
+    return f"{_f(st.get('avg_request_ms'))} | {_f(st.get('avg_queue_ms'))} | {_f(st.get('avg_batch'), '{:.1f}')}"
+
+
 def _rng(r: list | None) -> str:
     return "–" if not r else f"{r[0]:.3f}–{r[1]:.3f}"
 
@@ -297,8 +302,8 @@ def render_peers(data: dict) -> list[str]:
             label = "closed c=64" if p["mode"] == "closed" else f"open {p['fraction']:.0%}"
             rej = p["errors"].get("rejected", 0)
             lines.append(f"| {label} | {_f(p['rate'], '{:,.0f}')} | {p['throughput']:,.0f} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} | "
-                         f"{_f(p.get('p99_from_send_ms'))} | {rej:,} ({100 * rej / max(p['sent'], 1):.1f}%) | {_f(st.get('avg_request_ms'))} | "
-                         f"{_f(st.get('avg_queue_ms'))} | {_f(st.get('avg_batch'), '{:.1f}')} | {_f(p['send_lag_ms_p99'])} | {_f(p['client_cpu_cores'])} |")
+                         f"{_f(p.get('p99_from_send_ms'))} | {rej:,} ({100 * rej / max(p['sent'], 1):.1f}%) | {_triton_cells(st)} | "
+                         f"{_f(p['send_lag_ms_p99'])} | {_f(p['client_cpu_cores'])} |")
     h2 = (ov or {}).get("h2load") or {}
     if h2.get("missing"):
         lines += ["", f"The open loop from h2load (a C generator) did not run: {h2['missing']}."]
@@ -314,7 +319,7 @@ def render_peers(data: dict) -> list[str]:
             rej = p["errors"]["rejected"]
             lines.append(f"| open {p['fraction']:.0%} | {p['rate']:,.0f} | {p['achieved_rate']:,.0f} | {p['throughput']:,.0f} | {p['p50_ms']:.2f} | "
                          f"{p['p99_all_ms']:.2f} | {p['p99_ms']:.2f} | {p['max_ms']:.1f} | {rej:,} ({100 * rej / max(p['sent'], 1):.1f}%) | "
-                         f"{_f(st.get('avg_request_ms'))} | {_f(st.get('avg_queue_ms'))} | {_f(st.get('avg_batch'), '{:.1f}')} | {_f(p['client_cpu_cores'])} |")
+                         f"{_triton_cells(st)} | {_f(p['client_cpu_cores'])} |")
     if data.get("history"):
         runs = [{"date": data["date"], "load_before": data["load_before"], "load_after": data["load_after"],
                  "c64_throughput": {t: v["closed"].get("64", {}).get("throughput") for t, v in s.items()},

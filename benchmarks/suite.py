@@ -121,17 +121,18 @@ def measure_point(gen: loadgen.LoadGenerator, peer: servers.Peer, target: loadge
     except loadgen.LoadGenError as exc:
         return str(exc)
     after = peer.stats()
-    res.__dict__["server_stats"] = None
-    if before and after:
-        execs = after["executions"] - before["executions"]
-        infers = after["inferences"] - before["inferences"]
-        d = {k: after[k] - before[k] for k in after}
-        # Triton's own clock: from the request's arrival in the server to its response (success), and its scheduler queue wait.
-        res.__dict__["server_stats"] = {"avg_batch": round(infers / execs, 2) if execs else None,
-                                        "cache_hits": d["cache_hits"], "inferences": infers, "failed": d["fail"],
-                                        "avg_request_ms": round(d["success_ns"] / d["success"] / 1e6, 3) if d["success"] else None,
-                                        "avg_queue_ms": round(d["queue_ns"] / d["queue"] / 1e6, 3) if d["queue"] else None}
+    res.__dict__["server_stats"] = server_stats(before, after) if before and after else None
     return res
+
+
+def server_stats(before: dict, after: dict) -> dict:
+    """Triton's statistics between two reads of Peer.stats(). Triton's own clock: from the request's arrival in the
+    server to its response (success), and its scheduler queue wait."""
+    d = {k: after[k] - before[k] for k in after}
+    return {"avg_batch": round(d["inferences"] / d["executions"], 2) if d["executions"] else None,
+            "cache_hits": d["cache_hits"], "inferences": d["inferences"], "failed": d["fail"],
+            "avg_request_ms": round(d["success_ns"] / d["success"] / 1e6, 3) if d["success"] else None,
+            "avg_queue_ms": round(d["queue_ns"] / d["queue"] / 1e6, 3) if d["queue"] else None}
 
 
 def client_check(gen_factory, peers: dict, rows: np.ndarray, duration_s: float, warmup_s: float) -> list[dict]:
@@ -239,11 +240,7 @@ def h2load_point(peer: servers.Peer, target: loadgen.Target, rate: float, fracti
     lat = r.pop("latencies_ms")
     q = (fail + 0.99 * ok) / max(ok + fail, 1)
     served_p99 = float(np.quantile(lat, min(q, 1.0))) if len(lat) else float("nan")
-    d = {k: after[k] - before[k] for k in after}
-    stats = {"inferences": d["inferences"], "failed": fail,
-             "avg_batch": round(d["inferences"] / d["executions"], 2) if d["executions"] else None,
-             "avg_request_ms": round(d["success_ns"] / ok / 1e6, 3) if ok else None,
-             "avg_queue_ms": round(d["queue_ns"] / d["queue"] / 1e6, 3) if d["queue"] else None}
+    stats = server_stats(before, after)
     return {**r, "mode": "open", "fraction": fraction, "sent": ok + fail, "throughput": ok / max(r["duration_s"], 1e-9),
             "errors": {"rejected": fail}, "p99_all_ms": r["p99_ms"], "p99_ms": served_p99, "p99_from_send_ms": served_p99,
             "send_lag_ms_p99": None, "server_stats": stats}
