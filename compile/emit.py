@@ -31,6 +31,14 @@ SERVER_OVERHEAD_US = 500
 # bought no measurable throughput at 64 concurrent on 2 cores (benchmarks/results/request_path.md).
 MAX_QUEUE_DELAY_US = 0
 MAX_INSTANCES = 4
+# With a queue policy, Triton 2.51's batcher does not pre-fetch: it hands a batch only to an instance already
+# waiting for one, and when none is, it waits on a condition variable that an instance going idle never
+# signals (core: dynamic_batch_scheduler.cc WaitForPayloadSlotAvailable; the rate limiter notifies the
+# batcher when a payload is dequeued, not when an instance becomes free), so only the next arrival or a
+# 500 ms timer wakes it. Twice the instances that run at once keep one waiting. Measured with h2load's
+# closed loop against the compiled fraud model (benchmarks/results/instances.md): 2 instances on 2 cores
+# held requests ~500 ms in 5 of 6 points, 4 instances in none.
+POLICY_INSTANCE_FACTOR = 2
 MAX_QUEUE_SIZE = 65536
 
 
@@ -45,7 +53,8 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
     budget = spec.serving.latency_budget_ms * 1000.0
     max_batch = spec.serving.max_batch
     t_max = latency_us[max_batch]
-    instances = 1 if gpu else max(1, min(MAX_INSTANCES, cpus // threads))
+    running = 1 if gpu else max(1, min(MAX_INSTANCES, cpus // threads))
+    instances = running * POLICY_INSTANCE_FACTOR if spec.serving.queue_policy and not gpu else running
     slack = budget - SERVER_OVERHEAD_US - t_max
     delay = MAX_QUEUE_DELAY_US
     profile_rule = None
@@ -63,11 +72,15 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
             )
     timeout = int(max(delay + 100, slack))
     drains = max(1, math.floor(timeout / max(t_max, 1.0)))
-    queue = int(min(MAX_QUEUE_SIZE, max(max_batch, instances * drains * max_batch)))
+    queue = int(min(MAX_QUEUE_SIZE, max(max_batch, running * drains * max_batch)))
     rules = [
         f"max_batch_size = serving.max_batch_size (default: the largest expected batch size) = {max_batch}.",
-        f"instance_group count = min({MAX_INSTANCES}, CPUs {cpus} // threads per instance {threads}) = {instances}"
+        f"instances that run at once = min({MAX_INSTANCES}, CPUs {cpus} // threads per instance {threads}) = {running}"
         + (" (GPU: one instance per device)" if gpu else "")
+        + (f"; instance_group count = {POLICY_INSTANCE_FACTOR} × {running} = {instances}: with the queue policy Triton 2.51's "
+           "batcher hands work only to an instance already waiting, and an instance going idle does not wake it (the next "
+           "arrival or 500 ms does), so the extra instances keep one waiting (benchmarks/results/instances.md)"
+           if instances != running else f"; instance_group count = {instances}")
         + "; threads per instance = the lowest weighted latency among the spec's thread counts whose capacity "
         "(instances × best rows/s) is within 90% of the best (compile/measure.choose_threads).",
         f"slack = budget {budget:.0f} µs − server overhead {SERVER_OVERHEAD_US} µs (gRPC floor, PLATFORM_NOTES) − "
@@ -79,15 +92,15 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
     policy_rules = [
         f"default_timeout_microseconds = max(queue delay + 100, slack) = {timeout}: a request queued longer cannot meet "
         "its budget, so it is rejected (timeout_action REJECT) instead of served late; clients may shorten it.",
-        f"max_queue_size = instances × ⌊timeout / model time at max batch⌋ × max batch = {instances} × {drains} × {max_batch}, "
+        f"max_queue_size = instances that run at once × ⌊timeout / model time at max batch⌋ × max batch = {running} × {drains} × {max_batch}, "
         f"clamped to [{max_batch}, {MAX_QUEUE_SIZE}] = {queue}: no more than can drain within the timeout.",
     ]
     if spec.serving.queue_policy:
         rules += policy_rules
         rules.append(
             "queue policy on (serving.queue_policy: true, the default): Triton 2.51's batcher then does not pre-fetch, and when every "
-            "instance is busy it can miss the wake-up of the one that frees up and hold requests ~500 ms, which the timeout then "
-            "rejects (rare; benchmarks/results/queue_policy.md); without a policy, overload would queue until the callers' deadlines, "
+            "instance is busy it is not woken by the one that frees up and holds requests until the next arrival or ~500 ms, which the "
+            "timeout then rejects (hence the extra instances above; benchmarks/results/queue_policy.md, instances.md); without a policy, overload would queue until the callers' deadlines, "
             "and a burst of cancelled calls crashed Triton 2.51's gRPC frontend."
         )
     else:

@@ -27,7 +27,7 @@ from .report import CandidateReport, CompileReport, DispatchReport, PassReport, 
 from .serve_check import check_served
 from .spec import ModelSpec, load_spec
 
-COMPILER_VERSION = "scorestack-compile 7"  # 2: measured on a batch-size grid, per-batch-size dispatch; 3: no queue delay (a lone request runs at once); 4: the tree kernel, timed on distinct rows; 5: the native backend; 6: serving.queue_policy (on by default) recorded in the report; 7: recompiles what an intermediate 6 compiled without the policy
+COMPILER_VERSION = "scorestack-compile 8"  # 2: measured on a batch-size grid, per-batch-size dispatch; 3: no queue delay (a lone request runs at once); 4: the tree kernel, timed on distinct rows; 5: the native backend; 6: serving.queue_policy (on by default) recorded in the report; 7: recompiles what an intermediate 6 compiled without the policy; 8: with the queue policy, twice the instances that run at once
 
 
 def content_hash(spec_path: Path, spec: ModelSpec, profile: BatchProfile | None = None) -> str:

@@ -31,7 +31,7 @@ def test_no_queue_delay_for_a_lone_request(tmp_path):
     """A lone request never waits for company: the delay is 0; the timeout is the budget's slack."""
     s = emit.derive_settings(_spec(tmp_path), LATENCY, threads=1, cpus=2)
     assert s.max_queue_delay_us == 0
-    assert s.instance_count == 2 and s.max_batch_size == 64
+    assert s.instance_count == 4 and s.max_batch_size == 64  # 2 run at once, doubled for the queue policy
     assert s.default_timeout_us == int(10_000 - emit.SERVER_OVERHEAD_US - 446.0)
     assert s.max_queue_size == 2 * (s.default_timeout_us // 446) * 64
     assert any(r.startswith("max_queue_delay_microseconds = 0:") for r in s.rules)
@@ -73,4 +73,23 @@ def test_emitted_config_has_no_delay_and_the_queue_policy_the_spec_asks_for(tmp_
     else:
         assert "queue_policy" not in text
         assert any(r.startswith(f"no queue policy (serving.queue_policy: false; it would be a timeout of {s.default_timeout_us} µs") for r in s.rules)
-    assert parsed.instance_group[0].count == 2
+    # Two run at once on 2 CPUs; with the queue policy twice that, so an instance is waiting when the batcher looks.
+    assert parsed.instance_group[0].count == (4 if queue_policy else 2)
+
+
+@pytest.mark.parametrize("cpus, threads, queue_policy, gpu, expected", [
+    (2, 1, True, False, 4), (2, 1, False, False, 2), (2, 2, True, False, 2), (16, 1, True, False, 8),
+    (16, 1, False, False, 4), (2, 1, True, True, 1),
+])
+def test_instances_with_the_queue_policy_are_twice_those_that_run_at_once(tmp_path, cpus, threads, queue_policy, gpu, expected):
+    """Triton 2.51's batcher with a queue policy waits for an idle instance and is not woken when one
+    frees up (benchmarks/results/instances.md): the extra instances keep one waiting. The queue size
+    counts only the instances that run at once (they drain it)."""
+    s = emit.derive_settings(_spec(tmp_path, queue_policy=queue_policy), LATENCY, threads=threads, cpus=cpus, gpu=gpu)
+    assert s.instance_count == expected
+    running = 1 if gpu else min(emit.MAX_INSTANCES, cpus // threads)
+    if queue_policy:
+        assert s.max_queue_size == min(emit.MAX_QUEUE_SIZE, running * (s.default_timeout_us // 446) * 64)
+    rule = next(r for r in s.rules if r.startswith("instances that run at once"))
+    assert f"= {running}" in rule and f"instance_group count = " in rule
+    assert ("500 ms" in rule) is (expected != running)
