@@ -17,6 +17,7 @@ from tritonclient.grpc._utils import get_error_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from scorestack import limits
+from scorestack.client.admission import AdaptiveLimit, Gate, policy_of
 from scorestack.errors import InferenceError, OverloadedError, RequestValidationError, TlsError
 from scorestack.serve.security import AdminKey, ClientTls, diagnose_tls
 
@@ -144,6 +145,12 @@ class TritonClient:
     missing client certificate) raises TlsError saying which, at once instead of being retried.
     `admin_key` is sent only on admin calls (`admin_headers`, e.g. statistics for diagnosis), never
     on inference.
+
+    `max_in_flight` is admission control (client/admission.py): None (the default) sends every call;
+    an int N refuses a call to a model while N of this client's calls to it are in flight; "adaptive"
+    (or an AdaptiveLimit) finds the limit from the latency it observes. A refused call raises
+    OverloadedError with `local` true at once and never reaches Triton. `admission(model)` reports the
+    limit and counts.
     """
 
     def __init__(
@@ -155,8 +162,11 @@ class TritonClient:
         backoff_s: float = 0.01,
         tls: ClientTls | None = None,
         admin_key: AdminKey | None = None,
+        max_in_flight: int | str | AdaptiveLimit | None = None,
     ) -> None:
         self.url = url
+        self.max_in_flight = policy_of(max_in_flight)
+        self._gates: dict[str, Gate] = {}
         self.tls = tls
         self.admin_key = admin_key
         self.deadline_s = deadline_s
@@ -221,6 +231,22 @@ class TritonClient:
         self._models[model] = info
         return info
 
+    def admission(self, model: str) -> dict | None:
+        """The admission state of `model` in this client (limit, in flight, admitted, refused, congestion
+        seen, limit cuts), or None when no limit is set or the model was not called yet."""
+        gate = self._gates.get(model)
+        return gate.snapshot() if gate else None
+
+    def _gate(self, info: ModelInfo) -> Gate | None:
+        gate = self._gates.get(info.name)
+        if gate is None and self.max_in_flight is not None:
+            target_ms = info.queue_timeout_us / 2e3 if info.queue_timeout_us > 0 else self.deadline_s * 1e3 / 4
+            policy = self.max_in_flight
+            if isinstance(policy, AdaptiveLimit) and policy.target_ms is not None:
+                target_ms = policy.target_ms
+            gate = self._gates[info.name] = Gate(policy, initial=max(16, info.instances * max(1, info.max_batch_size)), target_ms=target_ms)
+        return gate
+
     def check_inputs(self, info: ModelInfo, inputs: Mapping[str, np.ndarray]) -> None:
         """Raise RequestValidationError naming the tensor when inputs do not match the model."""
         expected = {t.name: t for t in info.inputs}
@@ -265,6 +291,34 @@ class TritonClient:
         if wire is None:
             wire = self._wires[model] = _Wire.of(info)
         self.check_inputs(info, inputs)
+        gate = self._gate(info)
+        if gate is None:
+            return await self._infer(model, info, wire, inputs, outputs, deadline, start)
+        if not gate.try_acquire():
+            raise OverloadedError(
+                f"model {model!r}: refused by this client's admission control before sending: {gate.in_flight} of its calls "
+                f"to the model are in flight (limit {int(gate.limit)}, {'adaptive' if gate.adaptive else 'max_in_flight'}); "
+                "the server is at its capacity for this client: send less load, add instances or replicas, or raise max_in_flight",
+                local=True,
+            )
+        in_flight, admitted = gate.in_flight, time.monotonic()
+        outcome = "other"
+        try:
+            result = await self._infer(model, info, wire, inputs, outputs, deadline, start)
+            outcome = "ok"
+            return result
+        except OverloadedError:
+            outcome = "shed"
+            raise
+        except InferenceError as exc:
+            if "deadline exceeded" in str(exc) or "within the deadline" in str(exc):
+                outcome = "shed"
+            raise
+        finally:
+            gate.release(time.monotonic() - admitted, outcome, in_flight)
+
+    async def _infer(self, model: str, info: ModelInfo, wire: _Wire, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
+                     deadline: float, start: float) -> InferResult:
         wanted = list(outputs) if outputs is not None else list(wire.output_names)
         attempts = 0
         if self._stub is not None and wire.lean:

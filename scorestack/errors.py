@@ -36,10 +36,16 @@ class InferenceError(ScorestackError):
 
 
 class OverloadedError(InferenceError):
-    """Triton refused the request by its queue policy (queued past its timeout, or queue full).
+    """The request was shed: Triton refused it by its queue policy (queued past its timeout, or queue
+    full), or, with ``local`` true, the client's own in-flight limit refused it before it was sent
+    (``TritonClient(max_in_flight=...)``), so the server never saw it.
 
-    Not retried: it is the server shedding load by design; retrying would add load and hide it.
+    Not retried: it is load shedding by design; retrying would add load and hide it.
     """
+
+    def __init__(self, message: str, *, local: bool = False) -> None:
+        super().__init__(message)
+        self.local = local
 
 
 class RequestValidationError(ScorestackError):

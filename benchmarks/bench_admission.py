@@ -1,0 +1,271 @@
+"""Admission control through scorestack's client under open-loop overload, side by side in one run.
+
+The server (the compiled fraud model in the local Triton) is pinned to one core; one driver process on
+the other core sends through `TritonClient` itself, the way a fraud or batch-scoring service does, with
+Poisson arrivals at fractions of the capacity measured in the same round (closed loop through the same
+client, no limit). Each point runs the three policies in turn (the order rotated each round):
+- none: every call is sent; only Triton's queue policy sheds;
+- fixed: `max_in_flight` = the capacity x half the latency budget (Little's law: what can be in flight
+  with the queueing inside half the budget), at least the model's instance count;
+- adaptive: `max_in_flight="adaptive"` (client/admission.py: AIMD on the latency the client observes,
+  target the model's queue timeout).
+
+Requests carry `--rows` rows (default 64, the fraud model's max_batch_size): one Python process on one
+core cannot offer more than a one-core server carries at one row per request (README, Benchmarks), but
+at 64 rows the server's work per request is several times the client's, so the driver can overload it.
+Latency is from each request's scheduled time (no coordinated omission); refused calls are counted by
+where they were refused (the client's limit or Triton's queue policy). Writes results/admission.{json,md}.
+
+    .venv/bin/python benchmarks/bench_admission.py [--rows 64] [--rounds 2] [--duration 3] [--fractions 0.8,1.2,1.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import numpy as np  # noqa: E402
+
+RESULTS = HERE / "results"
+POLICIES = ("none", "fixed", "adaptive")  # "adaptive:T" (--policies) sets the adaptive target to T ms
+
+
+# -- the driver (its own process, pinned) -------------------------------------------------------------
+async def _drive(url: str, model: str, rows: np.ndarray, per_request: int, policy, mode: str, value: float,
+                 duration_s: float, warmup_s: float, deadline_s: float, seed: int) -> dict:
+    from scorestack.client.triton import TritonClient
+    from scorestack.errors import InferenceError, OverloadedError
+
+    client = TritonClient(url, deadline_s=deadline_s, max_in_flight=policy)
+    batches = [np.ascontiguousarray(rows[(i * per_request) % len(rows):][:per_request]) for i in range(64)]
+    batches = [b if len(b) == per_request else np.ascontiguousarray(rows[:per_request]) for b in batches]
+    await client.infer(model, {"features": batches[0]})  # metadata and channel first
+    lat: list[float] = []
+    counts = {"served": 0, "refused_client": 0, "rejected_server": 0, "deadline": 0, "other": 0}
+    samples: dict[str, str] = {}
+    t0 = time.monotonic() + warmup_s
+    t1 = t0 + duration_s
+    lags: list[float] = []
+
+    async def one(i: int, t_sched: float) -> None:
+        counted = t0 <= t_sched < t1
+        try:
+            await client.infer(model, {"features": batches[i % 64]})
+        except OverloadedError as exc:
+            kind = "refused_client" if exc.local else "rejected_server"
+            if counted:
+                counts[kind] += 1
+                samples.setdefault(kind, str(exc)[:300])
+            return
+        except InferenceError as exc:
+            kind = "deadline" if "deadline" in str(exc) else "other"
+            if counted:
+                counts[kind] += 1
+                samples.setdefault(kind, str(exc)[:300])
+            return
+        if counted:
+            counts["served"] += 1
+            lat.append(time.monotonic() - t_sched)
+
+    cpu0 = time.process_time()
+    tasks: set[asyncio.Task] = set()
+    if mode == "closed":
+        async def caller(k: int) -> None:
+            i = k
+            while time.monotonic() < t1:
+                await one(i, time.monotonic())
+                i += int(value)
+
+        await asyncio.gather(*(caller(k) for k in range(int(value))))
+    else:
+        rng = np.random.default_rng(seed)
+        t_next, i = time.monotonic(), 0
+        while t_next < t1:
+            now = time.monotonic()
+            if t_next > now:
+                await asyncio.sleep(t_next - now)
+            lags.append(time.monotonic() - t_next)
+            task = asyncio.ensure_future(one(i, t_next))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            i += 1
+            t_next += rng.exponential(1.0 / value)
+        if tasks:
+            await asyncio.wait(tasks, timeout=deadline_s + 5)
+    cpu = time.process_time() - cpu0
+    state = client.admission(model)
+    await client.close()
+    lat_ms = np.array(lat) * 1e3
+    pct = np.percentile(lat_ms, (50, 90, 99, 99.9)) if len(lat_ms) else [float("nan")] * 4
+    return {"counts": counts, "samples": samples, "served_per_s": counts["served"] / duration_s,
+            "p50_ms": float(pct[0]), "p90_ms": float(pct[1]), "p99_ms": float(pct[2]), "p999_ms": float(pct[3]),
+            "send_lag_p99_ms": float(np.percentile(lags, 99) * 1e3) if lags else None,
+            "client_cpu_cores": cpu / (warmup_s + duration_s), "admission": state}
+
+
+def _driver_main(conn, cpus) -> None:  # noqa: ANN001 - a multiprocessing Connection
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        try:
+            conn.send(asyncio.run(_drive(**job)))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which records it
+            conn.send(exc)
+
+
+# -- the run --------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=64, help="rows per request")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--duration", type=float, default=3.0, help="measured seconds per point")
+    ap.add_argument("--warmup", type=float, default=0.5)
+    ap.add_argument("--fractions", default="0.8,1.2,1.5", help="open-loop rates as fractions of the round's closed-loop capacity")
+    ap.add_argument("--deadline", type=float, default=1.0, help="the client's deadline per call (s)")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="none, fixed, adaptive, adaptive:T (target T ms)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "admission.json")
+    args = ap.parse_args(argv)
+    data_policies = args.policies
+
+    import suite
+    from peers import servers
+    from peers.model import prepare
+    from scorestack import paths
+    from scorestack.client.admission import AdaptiveLimit
+
+    model = prepare(paths.workspace() / "bench_peers")
+    triton = model.report.get("triton", {})
+    if args.rows > int(triton.get("max_batch_size", 64)):
+        raise SystemExit(f"--rows {args.rows} exceeds the model's max_batch_size {triton.get('max_batch_size')}")
+    budget_ms = float(model.report.get("latency_budget_ms") or 10.0)
+    rows = np.load(model.xgb_json.parent / "fraud_holdout.npz")["X"][:4096].astype(np.float32)
+    cores = sorted(os.sched_getaffinity(0))
+    server_cpus, client_cpus = cores[:1], cores[-1:]
+    fractions = [float(f) for f in args.fractions.split(",")]
+    data = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": suite.machine_info(), "load_before": suite.loadavg(),
+            "rows_per_request": args.rows, "rounds": args.rounds, "duration_s": args.duration, "deadline_s": args.deadline,
+            "budget_ms": budget_ms, "model": {k: v for k, v in triton.items() if k != "rules"}, "server_cpus": server_cpus,
+            "client_cpus": client_cpus, "policies": data_policies, "points": [], "failures": []}
+
+    def start():
+        peer = servers.start_triton("scorestack", servers.triton_variants(model, servers.tmp_run_dir("scorestack-admission-"))["batching"], "")
+        servers.pin_tree(peer.pids(), server_cpus)
+        return peer
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    driver = ctx.Process(target=_driver_main, args=(child, client_cpus), daemon=True)
+    driver.start()
+    peer = start()
+    t_start = time.monotonic()
+
+    def run(policy_name, policy, mode, value, seed=0):
+        nonlocal peer
+        before = peer.stats()
+        parent.send({"url": peer.address, "model": peer.model, "rows": rows, "per_request": args.rows, "policy": policy, "mode": mode,
+                     "value": value, "duration_s": args.duration, "warmup_s": args.warmup, "deadline_s": args.deadline, "seed": seed})
+        if not parent.poll(args.duration + args.warmup + args.deadline + 120):
+            raise RuntimeError("the driver did not answer")
+        got = parent.recv()
+        after = peer.stats()
+        if isinstance(got, Exception) or not (before and after):
+            reason = f"{type(got).__name__}: {got}" if isinstance(got, Exception) else "Triton's statistics did not answer"
+            data["failures"].append({"policy": policy_name, "mode": mode, "value": value, "reason": reason})
+            print(f"  {policy_name} {mode} {value:,.0f}: {reason}; restarting the server", flush=True)
+            peer.stop()
+            peer = start()
+            return None
+        got["server_stats"] = suite.server_stats(before, after)
+        return got
+
+    try:
+        for r in range(args.rounds):
+            cap = run("none", None, "closed", 32)
+            if cap is None:
+                continue
+            capacity = cap["served_per_s"]
+            fixed = max(int(triton.get("instance_count", 1)), round(capacity * budget_ms / 2e3))
+            data["points"].append({"round": r, "policy": "none", "mode": "closed", "callers": 32, "capacity": capacity, **cap})
+            print(f"round {r}: capacity {capacity:,.0f} req/s ({args.rows} rows each) through TritonClient, 32 callers; fixed limit {fixed}", flush=True)
+            policies = {}
+            for name in args.policies.split(","):
+                if name in ("none", "fixed", "adaptive"):
+                    policies[name] = {"none": None, "fixed": fixed, "adaptive": AdaptiveLimit()}[name]
+                elif name.startswith("adaptive:"):
+                    policies[name] = AdaptiveLimit(target_ms=float(name.split(":", 1)[1]))
+                else:
+                    raise SystemExit(f"--policies: unknown {name!r}; use none, fixed, adaptive or adaptive:T")
+            names = list(policies)
+            for f in fractions:
+                order = names[r % len(names):] + names[: r % len(names)]
+                for name in order:
+                    got = run(name, policies[name], "open", f * capacity, seed=1000 * r + int(f * 100))
+                    if got is None:
+                        continue
+                    data["points"].append({"round": r, "policy": name, "mode": "open", "fraction": f, "rate": f * capacity, "capacity": capacity,
+                                           "limit": fixed if name == "fixed" else None, **got})
+                    c = got["counts"]
+                    print(f"  {name:8s} {f:.0%} ({f * capacity:,.0f}/s): served {got['served_per_s']:,.0f}/s p99 {got['p99_ms']:.1f} ms; "
+                          f"refused in the client {c['refused_client']}, rejected by Triton {c['rejected_server']}, deadline {c['deadline']}, "
+                          f"other {c['other']}; limit {got['admission'] and got['admission']['limit']}; send lag p99 {got['send_lag_p99_ms']:.1f} ms, "
+                          f"client {got['client_cpu_cores']:.2f} cores", flush=True)
+    finally:
+        parent.send(None)
+        driver.join(5)
+        peer.stop()
+    data["seconds"] = round(time.monotonic() - t_start, 1)
+    data["load_after"] = suite.loadavg()
+    args.out.write_text(json.dumps(data, indent=1, default=float))
+    args.out.with_suffix(".md").write_text(render(data))
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    return 0
+
+
+def render(data: dict) -> str:
+    m = data["machine"]
+    lines = [
+        "# Admission control through scorestack's client, open-loop overload",
+        "",
+        f"Generated by `benchmarks/bench_admission.py` ({data['date']}; {m['cores']} cores, {m['cpu_model']}; load {data['load_before']} → "
+        f"{data['load_after']}; {data['rounds']} rounds, {data['duration_s']} s per point). The compiled fraud model "
+        f"({json.dumps(data['model'])}) in the local Triton pinned to core {data['server_cpus']}; one driver process on core "
+        f"{data['client_cpus']} sends through `TritonClient` ({data['rows_per_request']} rows per request, deadline {data['deadline_s']} s), "
+        f"Poisson arrivals at fractions of the capacity measured in the same round (closed loop, 32 callers, no limit). "
+        f"Latency budget {data['budget_ms']} ms. Latencies are of served requests from their scheduled time.",
+        "",
+        "| round | policy | offered | rate/s | served/s | p50 ms | p99 ms | refused in the client | rejected by Triton | deadline | other | limit at the end | client send lag p99 ms | client cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in data["points"]:
+        c = p["counts"]
+        adm = p.get("admission") or {}
+        offered = "closed, 32 callers" if p["mode"] == "closed" else f"{p['fraction']:.0%}"
+        rate = "–" if p["mode"] == "closed" else f"{p['rate']:,.0f}"
+        limit = adm.get("limit", "–") if p["policy"] != "none" else "–"
+        if adm.get("policy") == "adaptive":
+            limit = f"{limit} (target {adm['target_ms']:g} ms)"
+        lines.append(f"| {p['round']} | {p['policy']} | {offered} | {rate} | {p['served_per_s']:,.0f} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} | "
+                     f"{c['refused_client']} | {c['rejected_server']} | {c['deadline']} | {c['other']} | {limit} | "
+                     f"{p['send_lag_p99_ms'] if p['send_lag_p99_ms'] is None else format(p['send_lag_p99_ms'], '.1f')} | {p['client_cpu_cores']:.2f} |")
+    if data["failures"]:
+        lines += ["", "Points that did not complete (the server was restarted after each):", ""]
+        lines += [f"- {f['policy']} {f['mode']} {f['value']:,.0f}: {f['reason']}" for f in data["failures"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
