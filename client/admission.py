@@ -123,3 +123,13 @@ class Gate:
         return {"policy": "adaptive" if self.adaptive else "fixed", "limit": int(self.limit), "in_flight": self.in_flight,
                 "admitted": self.admitted, "refused": self.refused, "congestion": self.congestion, "decreases": self.decreases,
                 "target_ms": round(self.target_s * 1e3, 3)}
+
+
+def gate_for(policy: "int | AdaptiveLimit", *, queue_timeout_us: int, instances: int, max_batch_size: int, deadline_s: float) -> Gate:
+    """A model's gate with AdaptiveLimit's documented defaults filled from its config: the target is half
+    the queue timeout (a quarter of the client's deadline without one), the initial limit instances x
+    max_batch_size (at least 16)."""
+    target_ms = queue_timeout_us / 2e3 if queue_timeout_us > 0 else deadline_s * 1e3 / 4
+    if isinstance(policy, AdaptiveLimit) and policy.target_ms is not None:
+        target_ms = policy.target_ms
+    return Gate(policy, initial=max(16, instances * max(1, max_batch_size)), target_ms=target_ms)

@@ -17,7 +17,7 @@ from tritonclient.grpc._utils import get_error_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from scorestack import limits
-from scorestack.client.admission import AdaptiveLimit, Gate, policy_of
+from scorestack.client.admission import AdaptiveLimit, Gate, gate_for, policy_of
 from scorestack.errors import InferenceError, OverloadedError, RequestValidationError, TlsError
 from scorestack.serve.security import AdminKey, ClientTls, diagnose_tls
 
@@ -240,11 +240,8 @@ class TritonClient:
     def _gate(self, info: ModelInfo) -> Gate | None:
         gate = self._gates.get(info.name)
         if gate is None and self.max_in_flight is not None:
-            target_ms = info.queue_timeout_us / 2e3 if info.queue_timeout_us > 0 else self.deadline_s * 1e3 / 4
-            policy = self.max_in_flight
-            if isinstance(policy, AdaptiveLimit) and policy.target_ms is not None:
-                target_ms = policy.target_ms
-            gate = self._gates[info.name] = Gate(policy, initial=max(16, info.instances * max(1, info.max_batch_size)), target_ms=target_ms)
+            gate = self._gates[info.name] = gate_for(self.max_in_flight, queue_timeout_us=info.queue_timeout_us, instances=info.instances,
+                                                     max_batch_size=info.max_batch_size, deadline_s=self.deadline_s)
         return gate
 
     def check_inputs(self, info: ModelInfo, inputs: Mapping[str, np.ndarray]) -> None:
