@@ -251,7 +251,8 @@ async def run_paths(grpc_url: str, repo: Path, rounds: int, n_rank: int, quick: 
         async def send_fraud(i: int):
             return await fraud.score({"user_id": int(rng.integers(1, 5001)), **rows[i % 2000]})
 
-        for conc, n in ((1, 400), (16, 1000), (64, 2000)):
+        # 2000 lone requests: the p99 at concurrency 1 is then the 20th slowest, not the 4th of 400.
+        for conc, n in ((1, 2000), (16, 1000), (64, 2000)):
             b = await measure(triton, "fraud", "fraud_xgb", send_fraud, n // (4 if quick else 1), concurrency=conc)
             out["fraud"][f"concurrency_{conc}"] = {
                 "p50_ms": b.p50_total_ms, "p99_ms": b.p99_total_ms, "phases_mean_ms": b.phases_ms,
@@ -261,7 +262,8 @@ async def run_paths(grpc_url: str, repo: Path, rounds: int, n_rank: int, quick: 
             print(f"  fraud c{conc}: p50 {b.p50_total_ms:.2f} p99 {b.p99_total_ms:.2f} errors {b.errors}")
         info = await triton.model_info("ranking_xgb")
         mbs, inst = info.max_batch_size, info.instances
-        variants = {f"{inst} in flight (instances, default)": inst, f"{inst + 1} in flight": inst + 1, "all at once": 0}
+        default = RankingService.default_window(info)
+        variants = {f"{default} in flight (instances - 1, default)": default, f"{inst} in flight (instances)": inst, "all at once": 0}
         services = {k: RankingService(triton, fetcher, max_candidates=limits.MAX_CANDIDATES, max_in_flight=v) for k, v in variants.items()}
         for n_cand in (100, 500, 1000, limits.MAX_CANDIDATES):
             samples: dict[str, dict[str, list[float]]] = {k: {"infer": [], "total": []} for k in variants}
@@ -291,7 +293,16 @@ async def run_paths(grpc_url: str, repo: Path, rounds: int, n_rank: int, quick: 
 PLACEMENTS = ("shared", "split")
 
 
-def run_paths_placed(repository: Path, repo: Path, placement: str, rounds: int, n_rank: int, quick: bool) -> dict:
+def _event_loop_factory(loop: str):
+    """asyncio's default event loop, or uvloop's (what uvicorn runs a service on when it is installed)."""
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
+
+
+def run_paths_placed(repository: Path, repo: Path, placement: str, rounds: int, n_rank: int, quick: bool, loop: str = "asyncio") -> dict:
     """The request paths with the server and this client either sharing every core ("shared") or
     on cores of their own ("split": Triton on all but the first, the client on the first, through
     LocalTriton's `cpus`). Redis is the machine's service and runs wherever the kernel puts it."""
@@ -301,11 +312,13 @@ def run_paths_placed(repository: Path, repo: Path, placement: str, rounds: int, 
     try:
         if split:
             pin([os.getpid()], {cpus[0]})  # every thread of this process, gRPC's included
-        out = asyncio.run(run_paths(server.grpc_url, repo, rounds, n_rank, quick))
+        with asyncio.Runner(loop_factory=_event_loop_factory(loop)) as runner:
+            out = runner.run(run_paths(server.grpc_url, repo, rounds, n_rank, quick))
     finally:
         pin([os.getpid()], set(cpus))
         server.stop()
     out["cpus"] = {"client": cpus[:1] if split else cpus, "server": cpus[1:] if split else cpus}
+    out["event_loop"] = loop
     return out
 
 
@@ -340,9 +353,10 @@ def render(result: dict) -> str:
         lines.append("")
     for placement, runs in (result.get("paths") or {}).items():
         cpus = runs[0]["cpus"] if runs else {}
-        where = ("client and Triton on every core" if placement == "shared" else
+        where = ("client and Triton on every core" if cpus.get("client") == cpus.get("server") else
                  f"client on CPU {','.join(map(str, cpus.get('client', [])))}, Triton on CPU {','.join(map(str, cpus.get('server', [])))} (LocalTriton cpus=)")
-        lines += [f"## Fraud end to end (features from Redis + inference), compiled settings, placement {placement}: {where}", "",
+        loop = runs[0].get("event_loop", "asyncio") if runs else "asyncio"
+        lines += [f"## Fraud end to end (features from Redis + inference), compiled settings, placement {placement}: {where}, client event loop {loop}", "",
                   f"Feature backend: {runs[0]['feature_backend']['fraud'][0]} ({runs[0]['feature_backend']['fraud'][1]}). Redis is the machine's own service, on any core.", "",
                   "| round | concurrency | served | failed | p50 ms | p99 ms | avg batch | dominant | features | client | queue | compute | network |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for run in runs:
@@ -371,7 +385,10 @@ def cpu_model() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--ranking-requests", type=int, default=15, help="ranking requests per variant, candidate count and round")
+    ap.add_argument("--ranking-requests", type=int, default=40, help="ranking requests per variant, candidate count and round")
+    ap.add_argument("--loop", default="asyncio,uvloop",
+                    help="the client's event loops for the request paths, comma-separated, each side by side with the others "
+                         "(asyncio: the default loop; uvloop: what uvicorn runs a service on when it is installed)")
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run, not for the results)")
     ap.add_argument("--only", choices=("batching", "paths"), help="run one part")
     ap.add_argument("--variants", default="", help="batching: comma-separated variant names to run (default: all)")
@@ -396,15 +413,20 @@ def main() -> None:
     if args.only in (None, "batching"):
         result["batching"] = run_batching(repository, args.rounds, conc, [v.strip() for v in args.variants.split(",") if v.strip()])
     if args.only in (None, "paths"):
-        # Each placement on its own server start, in alternating order over the rounds.
-        runs: dict[str, list[dict]] = {p: [] for p in PLACEMENTS}
+        # Each placement and event loop on its own server start, in alternating order over the rounds.
+        loops = [x.strip() for x in args.loop.split(",") if x.strip()]
+        bad = [x for x in loops if x not in ("asyncio", "uvloop")]
+        if bad or not loops:
+            ap.error(f"--loop: {bad or 'none given'}; choose from asyncio, uvloop (comma-separated)")
+        plan = [(p, lp) for p in PLACEMENTS for lp in loops]
+        runs: dict[str, list[dict]] = {(p if lp == "asyncio" else f"{p}, {lp}"): [] for p, lp in plan}
         n_rank = max(2, args.ranking_requests // (5 if args.quick else 1))
         for r in range(args.rounds):
-            for placement in PLACEMENTS if r % 2 == 0 else tuple(reversed(PLACEMENTS)):
-                print(f"paths, placement {placement}, round {r}", flush=True)
-                run = run_paths_placed(repository, repo, placement, 1, n_rank, args.quick)
+            for placement, loop in plan if r % 2 == 0 else list(reversed(plan)):
+                print(f"paths, placement {placement}, event loop {loop}, round {r}", flush=True)
+                run = run_paths_placed(repository, repo, placement, 1, n_rank, args.quick, loop)
                 run["round"] = r
-                runs[placement].append(run)
+                runs[placement if loop == "asyncio" else f"{placement}, {loop}"].append(run)
         result["paths"] = runs
         result["served_settings"] = {"fraud_xgb": served_settings(repository / "fraud_xgb"), "ranking_xgb": served_settings(repository / "ranking_xgb")}
     result["machine"] = {

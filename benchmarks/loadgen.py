@@ -649,7 +649,7 @@ def _h2load_version() -> str:
 
 
 def h2load_open(target: Target, rate: float, duration_s: float, cpus: Sequence[int] | None = None, *, clients: int = 8,
-                streams: int = 4096, workdir: str | None = None) -> dict:
+                streams: int = 4096, workdir: str | None = None, drain: bool = False) -> dict:
     """Open loop at `rate` requests/s from nghttp2's h2load: one C thread, `clients` HTTP/2 connections each sending
     at rate/clients per second (h2load's --rps: evenly spaced, not Poisson), up to `streams` outstanding per connection.
 
@@ -658,21 +658,28 @@ def h2load_open(target: Target, rate: float, duration_s: float, cpus: Sequence[i
     ModelInferRequest in gRPC framing. h2load knows HTTP status only (gRPC errors come as HTTP 200 with a
     grpc-status trailer), so the caller counts rejections on the server (Triton's statistics); latencies here
     are of every answer, from the actual send, with h2load's own CPU share and its achieved send rate.
+
+    `drain`: send rate x duration requests and wait for every answer (h2load -n) instead of stopping at the
+    duration with requests still open: Triton 2.51's gRPC frontend can crash when in-flight calls are cancelled
+    (server#7368), which h2load's stop at -D does to every stream still open.
     """
-    out = _h2load(target, ["--rps", str(max(1, round(rate / clients)))], clients, streams, duration_s, cpus, workdir)
+    out = _h2load(target, ["--rps", str(max(1, round(rate / clients)))], clients, streams, duration_s, cpus, workdir,
+                  requests=max(clients, round(rate * duration_s)) if drain else None)
     return {**out, "rate": rate}
 
 
 def h2load_closed(target: Target, connections: int, streams: int, duration_s: float, cpus: Sequence[int] | None = None, *,
-                  workdir: str | None = None) -> dict:
+                  workdir: str | None = None, requests: int | None = None) -> dict:
     """Closed loop from h2load: `connections` HTTP/2 connections with `streams` requests outstanding on each (each
     answer sends the next at once), so connections x streams callers. One Python process on 2 shared cores tops out
-    near 10-16k req/s on this machine; h2load's closed loop reached 26-34k against the same server."""
-    return _h2load(target, [], connections, streams, duration_s, cpus, workdir)
+    near 10-16k req/s on this machine; h2load's closed loop reached 26-34k against the same server. With `requests`
+    it sends that many and waits for every answer (h2load -n) instead of stopping at `duration_s` with
+    connections x streams calls cancelled (see h2load_open's `drain`)."""
+    return _h2load(target, [], connections, streams, duration_s, cpus, workdir, requests=requests)
 
 
 def _h2load(target: Target, extra: list[str], clients: int, streams: int, duration_s: float, cpus: Sequence[int] | None,
-            workdir: str | None) -> dict:
+            workdir: str | None, requests: int | None = None) -> dict:
     import resource
     import subprocess
     import tempfile
@@ -688,13 +695,13 @@ def _h2load(target: Target, extra: list[str], clients: int, streams: int, durati
         with open(body_file, "wb") as f:
             f.write(b"\x00" + len(body).to_bytes(4, "big") + body)
         cmd = ["h2load", f"http://{target.address}{GRPC_INFER_PATH}", "-t", "1", "-c", str(clients), "-m", str(streams), *extra,
-               "-D", str(max(1, round(duration_s))), "-d", body_file,
+               *(["-n", str(requests)] if requests else ["-D", str(max(1, round(duration_s)))]), "-d", body_file,
                "-H", "content-type: application/grpc", "-H", "te: trailers", "--log-file", log_file]
         if cpus:
             cmd = ["taskset", "-c", ",".join(str(c) for c in cpus), *cmd]
         usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + target.deadline_s + 60)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=(4 if requests else 1) * duration_s + target.deadline_s + 60)
         wall = time.monotonic() - t0
         usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
@@ -704,11 +711,13 @@ def _h2load(target: Target, extra: list[str], clients: int, streams: int, durati
     http_ok = int(np.sum((rows[:, 1] >= 200) & (rows[:, 1] < 300))) if len(rows) else 0
     summary = [ln.strip() for ln in done.stdout.splitlines() if ln.strip().startswith(("requests:", "status codes:", "finished in"))]
     span = (rows[:, 0].max() - rows[:, 0].min()) / 1e6 if len(rows) > 1 else float(duration_s)
+    # First send to last answer: what a served rate is over when the answers outlast the sends (-n, drained).
+    answer_span = ((rows[:, 0] + rows[:, 2]).max() - rows[:, 0].min()) / 1e6 if len(rows) > 1 else float(duration_s)
     pct = np.percentile(lat, PERCENTILES) if len(lat) else [float("nan")] * len(PERCENTILES)
     cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
     return {
         "generator": f"{_h2load_version()}, 1 thread, {clients} connections x {streams} streams",
-        "duration_s": span, "answered": len(rows), "http_2xx": http_ok,
+        "duration_s": span, "answer_span_s": answer_span, "answered": len(rows), "http_2xx": http_ok,
         "achieved_rate": len(rows) / max(span, 1e-9), "latencies_ms": lat,
         "p50_ms": float(pct[0]), "p90_ms": float(pct[1]), "p99_ms": float(pct[2]), "p999_ms": float(pct[3]), "max_ms": float(lat.max()) if len(lat) else float("nan"),
         "client_cpu_cores": cpu / max(wall, 1e-9), "h2load_summary": summary,

@@ -42,6 +42,17 @@ def _triton_cells(st: dict) -> str:
     return f"{_f(st.get('avg_request_ms'))} | {_f(st.get('avg_queue_ms'))} | {_f(st.get('avg_batch'), '{:.1f}')}"
 
 
+def _h2load_capacity_note(cap: dict | None) -> str:
+    """Which capacity h2load's fractions are of (runs before 2026-12-03 used the Python generator's)."""
+    if not cap:
+        return " Fractions are of the Python generator's closed-loop capacity above."
+    if cap.get("error"):
+        return f" h2load's own closed loop failed ({cap['error']}), so fractions are of the Python generator's capacity above."
+    return (f" Fractions are of h2load's own closed-loop capacity ({cap['connections']} connections x {cap['streams']} streams = "
+            f"{cap['connections'] * cap['streams']} outstanding): {cap['throughput']:,.0f} req/s served, {cap['rejected']:,} rejected, "
+            f"p99 {cap['p99_ms']:.2f} ms, h2load {cap['client_cpu_cores']:.2f} cores.")
+
+
 def _rng(r: list | None) -> str:
     return "–" if not r else f"{r[0]:.3f}–{r[1]:.3f}"
 
@@ -161,6 +172,142 @@ def evaluate_peers(data: dict) -> list[dict]:
                                  f"actual send (load generator send lag p99 {_f(over['send_lag_ms_p99'], '{:.1f}')} ms, {_f(over['client_cpu_cores'])} cores)",
                      "phase": phase})
     return rows
+
+
+# -- the targets the peers run does not measure: end to end, ranking, overload through the client ---
+E2E_FRAUD_C1 = (1.0, 1.5)  # p50, p99 ms
+RANKING_500_P99_MS = 10.0
+
+
+def _default_window(ranking: dict) -> str | None:
+    """The ranking variant measured with the client's default chunk window (its label says 'default')."""
+    return next((k for k in next(iter(ranking.values()), {}) if "default" in k), None)
+
+
+def evaluate_request_path(data: dict) -> list[dict]:
+    """Fraud end to end at concurrency 1 and ranking 1 x N from results/request_path.json, per placement:
+    the target judged on the worst round (p50 and p99 of every round must meet it)."""
+    rows: list[dict] = []
+    p50_target, p99_target = E2E_FRAUD_C1
+    for placement, runs in (data.get("paths") or {}).items():
+        if not runs:
+            continue
+        cpus = runs[0].get("cpus") or {}
+        where = ("client and server sharing the cores" if cpus.get("client") == cpus.get("server")
+                 else f"client on cores {cpus.get('client')}, Triton on cores {cpus.get('server')}")
+        if runs[0].get("event_loop"):
+            where += f", client event loop {runs[0]['event_loop']}"
+        c1 = [r["fraud"]["concurrency_1"] for r in runs if (r.get("fraud") or {}).get("concurrency_1")]
+        if c1:
+            p50s, p99s = [c["p50_ms"] for c in c1], [c["p99_ms"] for c in c1]
+            failed = sum(sum(c.get("errors", {}).values()) for c in c1)
+            met = max(p50s) <= p50_target and max(p99s) <= p99_target and failed == 0
+            phases = {k: sum(c["phases_mean_ms"][k] for c in c1) / len(c1) for k in c1[0]["phases_mean_ms"]}
+            rows.append({
+                "target": f"fraud end to end, concurrency 1 ({where}): p50 <= {p50_target} ms and p99 <= {p99_target} ms",
+                "met": met,
+                "measured": f"p50 {_rng([min(p50s), max(p50s)])} ms, p99 {_rng([min(p99s), max(p99s)])} ms over {len(c1)} rounds "
+                            f"({sum(c['served'] for c in c1)} requests, {failed} failed)",
+                "phase": "–" if met else "mean phases ms: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+                         + f" (largest: {max(phases, key=phases.get)})",
+            })
+        window = _default_window(runs[0].get("ranking") or {})
+        if window is None:
+            continue
+        per_count: dict[str, list[dict]] = {}
+        for r in runs:
+            for key, variants in (r.get("ranking") or {}).items():
+                if window in variants:
+                    per_count.setdefault(key, []).append(variants[window])
+        counts = sorted(per_count, key=lambda k: int(k.split("_")[-1]))
+        rejected = {k: sum(v["rejected"] for v in per_count[k]) for k in counts}
+        served = {k: sum(v["served"] for v in per_count[k]) for k in counts}
+        rows.append({
+            "target": f"ranking at concurrency 1 ({where}): zero rejections for every candidate count, client default chunk window ({window})",
+            "met": not any(rejected.values()),
+            "measured": "; ".join(f"{k.split('_')[-1]}: {rejected[k]} rejected of {served[k] + rejected[k]}" for k in counts),
+            "phase": "–" if not any(rejected.values()) else "queue policy: a request's own chunks queued past the model's queue timeout",
+        })
+        five = per_count.get("candidates_500")
+        if five:
+            p99 = max(v["total_p99_ms"] for v in five)
+            rows.append({
+                "target": f"ranking 1 x 500 end to end ({where}): p99 <= {RANKING_500_P99_MS:g} ms",
+                "met": p99 <= RANKING_500_P99_MS,
+                "measured": f"p99 {_rng([min(v['total_p99_ms'] for v in five), p99])} ms, p50 "
+                            f"{_rng([min(v['total_p50_ms'] for v in five), max(v['total_p50_ms'] for v in five)])} ms over {len(five)} rounds",
+                "phase": "–" if p99 <= RANKING_500_P99_MS else "infer (chunks of max_batch_size through the batcher)",
+            })
+    return rows
+
+
+def evaluate_admission(data: dict) -> list[dict]:
+    """Open loop at 120% of capacity through scorestack's client with admission control (results/admission.json):
+    excess shed (refused in the client or rejected by Triton), served p99 within the budget in every round."""
+    budget = data.get("budget_ms")
+    rows: list[dict] = []
+    policies = [p for p in (data.get("policies") or "").split(",") if p and p != "none"]
+    where = f"Triton on cores {data.get('server_cpus')}, the client on cores {data.get('client_cpus')}, {data.get('rows_per_request')} rows per request"
+    for policy in ["none"] + policies:
+        pts = [p for p in data.get("points", []) if p["policy"] == policy and p["mode"] == "open" and p.get("fraction") == 1.2]
+        if not pts or budget is None:
+            continue
+        shed = [p["counts"]["refused_client"] + p["counts"]["rejected_server"] for p in pts]
+        p99s = [p["p99_ms"] for p in pts]
+        met = all(shed) and max(p99s) <= budget
+        target = next(((p.get("admission") or {}).get("target_ms") for p in pts), None)
+        timeout_ms = ((data.get("model") or {}).get("default_timeout_us") or 0) / 1000
+        label = policy if policy in ("none", "fixed") or target is None else f"{policy} (target {target} ms" + (
+            ", half the queue timeout: the client's default)" if timeout_ms and abs(target - timeout_ms / 2) < 0.05 else
+            ", the queue timeout itself: the first default, replaced)" if timeout_ms and abs(target - timeout_ms) < 0.05 else ")")
+        rows.append({
+            "target": f"open loop at 120% of capacity through the client ({where}), admission {label}: excess shed, served p99 <= budget ({budget} ms)",
+            "met": met,
+            "measured": f"served p99 {_rng([min(p99s), max(p99s)])} ms; shed " + ", ".join(
+                f"{p['counts']['refused_client']:,} in the client + {p['counts']['rejected_server']:,} by Triton" for p in pts)
+                        + f" ({len(pts)} rounds)",
+            "phase": "–" if met else ("no admission: the excess queues in Triton until its queue timeout, so served requests wait up to it"
+                                      if policy == "none" else "the limit let more in than the budget carries"),
+        })
+    return rows
+
+
+def render_other_targets(results: Path) -> list[str]:
+    """Issue 14's targets measured outside the peers run, from their own results files (absent files are said so)."""
+    rows: list[tuple[str, dict]] = []
+    missing = []
+    for name, evaluate in (("request_path.json", evaluate_request_path), ("admission.json", evaluate_admission)):
+        path = results / name
+        if not path.exists():
+            missing.append(name)
+            continue
+        data = json.loads(path.read_text())
+        when = data.get("date") or (data.get("machine") or {}).get("date")
+        rows += [(f"{name[:-5]} ({when})", r) for r in evaluate(data)]
+    split = results / "peers_split.json"
+    if split.exists():
+        data = json.loads(split.read_text())
+        s = data.get("summary", {})
+        c1, nob = _point(s, "scorestack", "closed", "1"), _point(s, "scorestack_nobatch", "closed", "1")
+        if c1 and nob:
+            st = data.get("settings") or {}
+            met = c1["p50_ms"] <= nob["p50_ms"]
+            rows.append((f"peers_split ({data.get('date')})", {
+                "target": f"c1 p50 no worse than Triton without batching (servers on cores {st.get('server_cpus')}, load generator on cores {st.get('client_cpus')})",
+                "met": met, "measured": f"{c1['p50_ms']:.3f} vs {nob['p50_ms']:.3f} ms (p50 over rounds {_rng(c1.get('p50_range'))} vs {_rng(nob.get('p50_range'))} ms)",
+                "phase": "–" if met else "the dynamic batcher's hand-off",
+            }))
+    if not rows and not missing:
+        return []
+    lines = ["## Issue 14's other targets: end to end, ranking, overload through the client, the other placement", "",
+             "From the results files named in the first column (`benchmarks/bench_request_path.py`, `benchmarks/bench_admission.py`, "
+             "`scripts/bench.sh --server-cpus 1 --client-cpus 0 --out benchmarks/results/peers_split.json`); each target is judged on its worst round.", "",
+             "| source | target | met | measured | where a miss is held |", "|---|---|---|---|---|"]
+    for source, r in rows:
+        lines.append(f"| {source} | {r['target']} | {'met' if r['met'] else '**missed**'} | {r['measured']} | {r['phase']} |")
+    for name in missing:
+        lines.append(f"| {name} | – | not measured | results/{name} is absent | – |")
+    return lines + [""]
 
 
 # -- plots -----------------------------------------------------------------------------------------
@@ -311,7 +458,8 @@ def render_peers(data: dict) -> list[str]:
         lines += ["", f"### Overload, pinned, from h2load: the same server on core {ov['server_cpus']}, nghttp2's h2load alone on core {ov['client_cpus']}", "",
                   "h2load (C, one thread, 8 HTTP/2 connections of up to 4,096 outstanding streams each, evenly spaced sends at the set rate) offers load the Python generator "
                   "cannot. It sees HTTP status only, so rejections are Triton's own count; latencies are from the actual send, and the served "
-                  "p99 is an upper bound (the all-answer quantile at (rejected + 0.99 served) / answered: rejected answers may be the fastest).", "",
+                  "p99 is an upper bound (the all-answer quantile at (rejected + 0.99 served) / answered: rejected answers may be the fastest)."
+                  + _h2load_capacity_note(h2.get("capacity")), "",
                   "| point | rate/s | sent/s | served/s | p50 ms (all) | p99 ms (all) | served p99 ms (bound) | max ms | rejected | Triton avg in server ms | Triton avg queue ms | avg batch | h2load cores |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in h2["points"]:
@@ -400,6 +548,8 @@ def write_report(results: Path = RESULTS, out: Path = REPORT, sources: dict[str,
         if path.exists():
             lines += render(json.loads(path.read_text()))
             rendered.add(path.stem)
+    if "peers.json" in SECTIONS and out == REPORT:
+        lines += render_other_targets(results)
     others = sorted(p for p in results.glob("*.md") if p.stem not in rendered and _tracked(p))
     if others:
         lines += ["## Other benchmarks", ""]

@@ -40,11 +40,16 @@ class RankingService(ScoringPath):
     opt-in for machines with more cores.
 
     At most `max_in_flight` chunks of one request are in Triton at once; 0 sends every chunk at once.
-    The default (None) is the model's instance count (read from its config) when the model has a
-    queue timeout: a chunk is sent when an instance is free, so a request's own chunks do not wait in
-    Triton's queue behind one another (sent all at once, the last chunks of 1000-2000 candidates ran
-    out of the queue timeout: 1-17 of 30 requests rejected at concurrency 1). A model without a
-    queue policy (`serving.queue_policy: false`) rejects nothing for time: every chunk goes at once.
+    The default (None), for a model with a queue timeout, is one less than its instance count (read
+    from its config), at least 1: a chunk is sent when an instance is free, so a request's own chunks
+    do not wait in Triton's queue behind one another (sent all at once, the last chunks of 1000-2000
+    candidates ran out of the queue timeout: 1-17 of 30 requests rejected at concurrency 1), and one
+    instance is always left waiting: Triton 2.51's batcher hands work only to a waiting instance and
+    is not woken by one going idle, so with every instance busy on this request's chunks the next
+    chunk could wait for its 500 ms timer and be rejected (2 of 80 requests of 1000 candidates with
+    one chunk per instance in flight, Triton on one core; benchmarks/results/request_path.md). A model
+    without a queue policy (`serving.queue_policy: false`) rejects nothing for time and its batcher
+    pre-fetches: every chunk goes at once.
     """
 
     request_fields: tuple[str, ...] = schema.RANKING_REQUEST  # the request's `context`
@@ -71,7 +76,7 @@ class RankingService(ScoringPath):
         if chunk_size is not None and chunk_size < 1:
             raise RequestValidationError("chunk_size", f"must be >= 1 (or None: the model's max_batch_size), got {chunk_size}")
         if max_in_flight is not None and max_in_flight < 0:
-            raise RequestValidationError("max_in_flight", f"must be >= 0 (0: every chunk at once; None: the model's instance count, or every chunk where it has no queue timeout), got {max_in_flight}")
+            raise RequestValidationError("max_in_flight", f"must be >= 0 (0: every chunk at once; None: one less than the model's instance count, or every chunk where it has no queue timeout), got {max_in_flight}")
         self.max_candidates = max_candidates
         self.chunk_size = chunk_size
         self.max_in_flight = max_in_flight
@@ -123,8 +128,9 @@ class RankingService(ScoringPath):
 
     @staticmethod
     def default_window(info) -> int:  # noqa: ANN001 - a client.triton.ModelInfo
-        """Chunks in flight by default: the model's instances, or 0 (every chunk at once) when it has no queue timeout."""
-        return info.instances if info.queue_timeout_us > 0 else 0
+        """Chunks in flight by default: one less than the model's instances (at least 1), so one instance is always
+        waiting for the batcher; 0 (every chunk at once) when the model has no queue timeout."""
+        return max(1, info.instances - 1) if info.queue_timeout_us > 0 else 0
 
     async def _infer_chunks(self, chunks: list[np.ndarray], window: int) -> list:
         """Score the chunks with at most `window` of them in Triton at once; results in chunk order."""

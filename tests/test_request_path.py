@@ -292,16 +292,18 @@ def test_ranking_chunks_in_flight_are_bounded_and_results_keep_order(loop, servi
     assert err.value.field == "chunk_size"
 
 
-def test_ranking_default_window_is_the_instances_or_every_chunk_without_a_queue_timeout(loop, services):
-    """Without max_in_flight, a request keeps one chunk per instance in flight when the model has a
-    queue timeout (the compiled default), and sends every chunk at once to a model without one."""
+def test_ranking_default_window_leaves_an_instance_waiting_or_sends_every_chunk_without_a_queue_timeout(loop, services):
+    """Without max_in_flight, a request keeps one chunk fewer than the instances in flight when the model
+    has a queue timeout (the compiled default), and sends every chunk at once to a model without one."""
     import dataclasses
 
     client, _, _, _ = services
     info = loop.run_until_complete(client.model_info("ranking_xgb"))
     served = loop.run_until_complete(client.grpc.get_model_config("ranking_xgb", as_json=True))["config"]
     assert info.queue_timeout_us == int(served["dynamic_batching"]["default_queue_policy"]["default_timeout_microseconds"]) > 0
-    assert RankingService.default_window(info) == info.instances >= 1
+    assert info.instances >= 2  # twice the instances that run at once, with the queue policy (compile/emit.py)
+    assert RankingService.default_window(info) == info.instances - 1
+    assert RankingService.default_window(dataclasses.replace(info, instances=1)) == 1  # never 0 (that is "all at once")
     assert RankingService.default_window(dataclasses.replace(info, queue_timeout_us=0)) == 0  # serving.queue_policy: false
 
 
