@@ -133,9 +133,14 @@ def evaluate_peers(data: dict) -> list[dict]:
             rejected = over["errors"]["rejected"]
             p99_ok = budget is not None and over["p99_ms"] <= budget
             st = over.get("server_stats") or {}
+            cap = ((data.get("overload_pinned") or {}).get("h2load") or {}).get("capacity") or {}
+            goodput = (f"; goodput {over['throughput']:,.0f}/s = {over['throughput'] / cap['throughput']:.0%} of h2load's closed-loop capacity "
+                       f"({cap['throughput']:,.0f}/s): Triton 2.51 answers a rejected call through the same gRPC frontend path as a served one, "
+                       "so rejecting does not free the core; shedding has to happen before the server (TritonClient(max_in_flight=...), "
+                       "results/admission.md)") if cap.get("throughput") else ""
             phase = "–" if rejected and p99_ok else ("queue policy: overload was not shed" if not rejected else
                      f"served requests averaged {_f(st.get('avg_request_ms'))} ms in Triton ({_f(st.get('avg_queue_ms'))} ms queued); the rest of "
-                     f"the served p99 is in front of the scheduler (Triton's gRPC frontend and the connection) on the saturated core")
+                     f"the served p99 is in front of the scheduler (Triton's gRPC frontend and the connection) on the saturated core" + goodput)
             rows.append({"target": f"open loop at 120% of capacity ({where}): excess shed by rejection, served p99 <= budget ({budget} ms)",
                          "met": bool(rejected) and p99_ok,
                          "measured": f"offered {over['rate']:,.0f}/s, sent {over['achieved_rate']:,.0f}/s, served {over['throughput']:,.0f}/s, "
