@@ -239,8 +239,8 @@ def h2load_capacity(peer: servers.Peer, target: loadgen.Target, duration_s: floa
     """h2load's closed loop at 64 outstanding requests (8 connections x 8 streams): served/s and Triton's rejections."""
     before = peer.stats()
     try:
-        # A fixed count, every answer awaited: stopping at a duration cancels 64 calls in flight, which crashed
-        # Triton 2.51's gRPC frontend in a run of 2026-12-03 (server#7368).
+        # A fixed count, every answer awaited: stopping at a duration cancels 64 calls in flight, after which
+        # Triton's statistics stopped answering in a run of 2026-12-03 (the cancellation crash, server#7368).
         r = loadgen.h2load_closed(target, 8, 8, duration_s, cpus, requests=max(5_000, round(20_000 * duration_s)))
     except loadgen.LoadGenError as exc:
         return {"error": str(exc)}
