@@ -8,7 +8,8 @@ with features from Redis (REDIS_URL, default 127.0.0.1:6379) through the async f
    concurrency 1, 16 and 64 through scorestack's TritonClient. Per start: throughput, p50/p99,
    rejections, executed batch, server CPU per request (tritonserver and its stubs, from /proc), the
    client's own CPU per request, and where the server's processes may run (Cpus_allowed_list).
-2. Fraud end to end (features + inference) on the compiled settings at concurrency 1, 16, 64.
+2. Fraud end to end (features + inference) on the compiled settings at concurrency 1, 16, 64, and in
+   open loop (Poisson arrivals) at 50% and 80% of the closed-loop maximum measured with 64 callers.
 3. Ranking at concurrency 1 with 100-2000 candidates (the most `scorestack.limits.MAX_CANDIDATES`
    allows), chunks of max_batch_size, by how many of a request's chunks are in Triton at once.
 2 and 3 run under two placements, each on its own server start, alternating over the rounds:
@@ -37,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from scorestack import limits, paths
-from scorestack.client.diagnose import measure
+from scorestack.client.diagnose import breakdown, measure, server_snapshot
 from scorestack.client.fraud import FraudService
 from scorestack.client.ranking import RankingService
 from scorestack.client.server_stats import read_statistics
@@ -238,7 +239,75 @@ def run_batching(repository: Path, rounds: int, conc: dict[int, int], only: list
 
 
 # --- fraud end to end and ranking -------------------------------------------------------------------
-async def run_paths(grpc_url: str, repo: Path, rounds: int, n_rank: int, quick: bool) -> dict:
+OPEN_FRACTIONS = (0.5, 0.8)  # of the closed-loop maximum (64 callers)
+OPEN_SECONDS = 3.0
+
+
+async def closed_rate(send, concurrency: int, n: int) -> float:
+    """Requests served per second by `concurrency` callers sending `n` requests in all (failures not counted)."""
+    served = 0
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        nonlocal served
+        async with sem:
+            try:
+                await send(i)
+                served += 1
+            except (InferenceError, ServerError):
+                pass
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return served / (time.perf_counter() - t0)
+
+
+async def open_loop(triton: TritonClient, model: str, send, rate: float, seconds: float, rng: np.random.Generator) -> dict:
+    """Poisson arrivals at `rate`/s for `seconds` through the whole request path. Latency counts from each request's
+    scheduled time (a client that falls behind pays for it: no coordinated omission); the phases are Triton's
+    statistics joined with the client's timings, as diagnose's breakdown does."""
+    n = max(10, round(rate * seconds))
+    start = time.perf_counter() + 0.01
+    schedule = start + np.cumsum(rng.exponential(1.0 / rate, n))
+    latencies: list[float] = []
+    lags: list[float] = []
+    results: list = []
+    errors: dict[str, int] = {}
+
+    async def one(i: int, at: float) -> None:
+        lags.append((time.perf_counter() - at) * 1e3)
+        try:
+            r = await send(i)
+        except (InferenceError, ServerError) as exc:
+            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+            return
+        latencies.append((time.perf_counter() - at) * 1e3)
+        results.append(r)
+
+    before = await server_snapshot(triton, model)
+    tasks = []
+    for i, at in enumerate(schedule):
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, float(at))))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    await asyncio.sleep(0.05)  # statistics are updated when responses are released
+    after = await server_snapshot(triton, model)
+    if not results:
+        return {"rate": rate, "served": 0, "errors": errors}
+    b = breakdown("fraud", model, [r.timings_ms for r in results], len(results), before, after, sum(bool(r.degraded) for r in results))
+    lat = np.asarray(latencies)
+    return {
+        "rate": rate, "sent": n, "served": len(results), "served_per_s": len(results) / elapsed, "errors": errors,
+        "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)), "p999_ms": float(np.percentile(lat, 99.9)),
+        "p99_from_send_ms": b.p99_total_ms, "send_lag_p99_ms": float(np.percentile(lags, 99)),
+        "phases_mean_ms": b.phases_ms, "phase_p50_ms": b.client_phase_p50, "avg_batch": b.avg_batch, "dominant": b.dominant,
+    }
+
+
+async def run_paths(grpc_url: str, repo: Path, rounds: int, n_rank: int, quick: bool, first_round: int = 0) -> dict:
     rng = np.random.default_rng(0)
     fields = demo_data.make_fraud_requests(2000, seed=3)
     rows = [{k: float(v) for k, v in fields.iloc[i].items()} for i in range(2000)]
@@ -260,15 +329,27 @@ async def run_paths(grpc_url: str, repo: Path, rounds: int, n_rank: int, quick: 
                 "served": b.requests, "errors": b.errors,
             }
             print(f"  fraud c{conc}: p50 {b.p50_total_ms:.2f} p99 {b.p99_total_ms:.2f} errors {b.errors}")
+        # Open loop at fractions of the closed-loop maximum (64 callers), measured here, just before.
+        top = await closed_rate(send_fraud, 64, 2000 // (4 if quick else 1))
+        out["fraud_max_per_s"] = top
+        for f in OPEN_FRACTIONS:
+            o = await open_loop(triton, "fraud_xgb", send_fraud, f * top, OPEN_SECONDS / (4 if quick else 1), rng)
+            out["fraud"][f"open_{round(f * 100)}pct"] = o
+            print(f"  fraud open {f:.0%} of {top:,.0f}/s: served {o.get('served_per_s', 0):,.0f}/s p50 {o.get('p50_ms', float('nan')):.2f} "
+                  f"p99 {o.get('p99_ms', float('nan')):.2f} errors {o['errors']}")
         info = await triton.model_info("ranking_xgb")
         mbs, inst = info.max_batch_size, info.instances
         default = RankingService.default_window(info)
         variants = {f"{default} in flight (instances - 1, default)": default, f"{inst} in flight (instances)": inst, "all at once": 0}
         services = {k: RankingService(triton, fetcher, max_candidates=limits.MAX_CANDIDATES, max_in_flight=v) for k, v in variants.items()}
+        # Warm-up, not measured: every catalog item read once (the fetch layer caches item rows), so the first plan
+        # measured does not pay the cold reads for the others.
+        for _ in range(3):
+            await services[next(iter(variants))].rank(int(rng.integers(1, 5001)), rng.permutation(np.arange(1, 2001))[: limits.MAX_CANDIDATES].tolist(), ctx)
         for n_cand in (100, 500, 1000, limits.MAX_CANDIDATES):
             samples: dict[str, dict[str, list[float]]] = {k: {"infer": [], "total": []} for k in variants}
             rejected = {k: 0 for k in variants}
-            for r in range(rounds):
+            for r in range(first_round, first_round + rounds):
                 for k in (list(variants) if r % 2 == 0 else list(reversed(variants))):
                     for _ in range(n_rank):
                         items = rng.choice(np.arange(1, 2001), n_cand, replace=False).tolist()
@@ -302,7 +383,8 @@ def _event_loop_factory(loop: str):
     return None
 
 
-def run_paths_placed(repository: Path, repo: Path, placement: str, rounds: int, n_rank: int, quick: bool, loop: str = "asyncio") -> dict:
+def run_paths_placed(repository: Path, repo: Path, placement: str, rounds: int, n_rank: int, quick: bool, loop: str = "asyncio",
+                     first_round: int = 0) -> dict:
     """The request paths with the server and this client either sharing every core ("shared") or
     on cores of their own ("split": Triton on all but the first, the client on the first, through
     LocalTriton's `cpus`). Redis is the machine's service and runs wherever the kernel puts it."""
@@ -313,13 +395,58 @@ def run_paths_placed(repository: Path, repo: Path, placement: str, rounds: int, 
         if split:
             pin([os.getpid()], {cpus[0]})  # every thread of this process, gRPC's included
         with asyncio.Runner(loop_factory=_event_loop_factory(loop)) as runner:
-            out = runner.run(run_paths(server.grpc_url, repo, rounds, n_rank, quick))
+            out = runner.run(run_paths(server.grpc_url, repo, rounds, n_rank, quick, first_round))
     finally:
         pin([os.getpid()], set(cpus))
         server.stop()
     out["cpus"] = {"client": cpus[:1] if split else cpus, "server": cpus[1:] if split else cpus}
     out["event_loop"] = loop
     return out
+
+
+def _rng(values: list[float]) -> list[float] | None:
+    values = [v for v in values if v is not None]
+    return [round(min(values), 3), round(max(values), 3)] if values else None
+
+
+def summarize_paths(result: dict) -> dict:
+    """One run's headline numbers per placement and event loop (ranges over rounds), kept in the next runs' history."""
+    out: dict = {k: result.get("machine", {}).get(k) for k in ("date", "commit", "cpu_model", "note", "loadavg_before")}
+    out["paths"] = {}
+    for key, runs in (result.get("paths") or {}).items():
+        fraud = [r.get("fraud") or {} for r in runs]
+
+        def pick(point: str, field: str) -> list[float] | None:
+            return _rng([f[point][field] for f in fraud if point in f and field in f[point]])
+
+        ranking = [r.get("ranking") or {} for r in runs]
+        window = next((k for k in next(iter(ranking[0].values()), {}) if "default" in k), None) if ranking and ranking[0] else None
+        out["paths"][key] = {
+            "fraud_c1_p50_ms": pick("concurrency_1", "p50_ms"), "fraud_c1_p99_ms": pick("concurrency_1", "p99_ms"),
+            "fraud_c16_p50_ms": pick("concurrency_16", "p50_ms"), "fraud_c64_p50_ms": pick("concurrency_64", "p50_ms"),
+            "fraud_open50_p99_ms": pick("open_50pct", "p99_ms"), "fraud_open80_p99_ms": pick("open_80pct", "p99_ms"),
+            "ranking_window": window,
+            "ranking_rejected": ({c: sum(r[c][window]["rejected"] for r in ranking if c in r) for c in ranking[0]} if window else None),
+            "ranking_500_p99_ms": (_rng([r["candidates_500"][window]["total_p99_ms"] for r in ranking if "candidates_500" in r]) if window else None),
+        }
+    return out
+
+
+def render_history(history: list[dict]) -> list[str]:
+    """The run-to-run table: this machine's noise, shown rather than averaged away."""
+    if not history:
+        return []
+    fmt = lambda r: "–" if not r else f"{r[0]:.2f}-{r[1]:.2f}"  # noqa: E731
+    lines = ["## Run to run (this run first, then earlier runs kept in this file, newest first): ranges over rounds", "",
+             "| run | commit | machine | path | fraud c1 p50 / p99 ms | c16 p50 ms | c64 p50 ms | open 50% / 80% p99 ms | ranking rejected (default window) | 1 x 500 p99 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for h in history:
+        for key, v in h["paths"].items():
+            rej = v.get("ranking_rejected")
+            lines.append(f"| {h['date']} | {h.get('commit') or '–'} | {h.get('cpu_model') or '–'} | {key} | {fmt(v['fraud_c1_p50_ms'])} / {fmt(v['fraud_c1_p99_ms'])} | "
+                         f"{fmt(v['fraud_c16_p50_ms'])} | {fmt(v['fraud_c64_p50_ms'])} | {fmt(v.get('fraud_open50_p99_ms'))} / {fmt(v.get('fraud_open80_p99_ms'))} | "
+                         + ("–" if rej is None else ", ".join(f"{c.split('_')[-1]}: {n}" for c, n in rej.items())) + f" | {fmt(v.get('ranking_500_p99_ms'))} |")
+    return lines + [""]
 
 
 def git_commit() -> str:
@@ -361,10 +488,18 @@ def render(result: dict) -> str:
                   "| round | concurrency | served | failed | p50 ms | p99 ms | avg batch | dominant | features | client | queue | compute | network |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for run in runs:
             for k, v in run["fraud"].items():
+                if "phases_mean_ms" not in v:  # an open-loop point where nothing was served
+                    lines.append(f"| {run['round']} | {k} | 0 | {sum(v['errors'].values())} | – | – | – | – | – | – | – | – | – |")
+                    continue
                 p = v["phases_mean_ms"]
-                lines.append(f"| {run['round']} | {k.split('_')[1]} | {v['served']} | {sum(v['errors'].values())} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} | {v['avg_batch']:.1f} | {v['dominant']} | "
+                label = (f"open {k.split('_')[1][:-3]}% ({v['rate']:,.0f}/s, served {v['served_per_s']:,.0f}/s, send lag p99 {v['send_lag_p99_ms']:.2f} ms)"
+                         if k.startswith("open") else k.split("_")[1])
+                lines.append(f"| {run['round']} | {label} | {v['served']} | {sum(v['errors'].values())} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} | {v['avg_batch']:.1f} | {v['dominant']} | "
                              + " | ".join(f"{p[x]:.3f}" for x in ("features", "client", "queue", "compute", "network")) + " |")
-        lines += ["", "Phases are means in ms (features: the fetch; client: validation and assembly; queue/compute: Triton's statistics; network: the rest of the inference call).",
+        maxima = [f"{r['fraud_max_per_s']:,.0f}" for r in runs if r.get("fraud_max_per_s")]
+        lines += ["", "Phases are means in ms (features: the fetch; client: validation and assembly; queue/compute: Triton's statistics; network: the rest of the inference call)."
+                  + (f" Open-loop rows: Poisson arrivals at fractions of the closed-loop maximum measured just before with 64 callers ({', '.join(maxima)} req/s by round), "
+                     "p50/p99 from each request's scheduled time (the client's own lateness included), phases of the served requests." if maxima else ""),
                   "", f"### Ranking at concurrency 1, placement {placement}: chunks of max_batch_size, by chunks of one request in flight", "",
                   "| round | candidates | chunks | in flight | served | rejected (OverloadedError) | infer p50 / p99 ms | total p50 / p99 ms |", "|---|---|---|---|---|---|---|---|"]
         for run in runs:
@@ -372,6 +507,8 @@ def render(result: dict) -> str:
                 for k, v in variants.items():
                     lines.append(f"| {run['round']} | {n_c.split('_')[1]} | {v['chunks']} | {k} | {v['served']} | {v['rejected']} | {fmt(v['infer_p50_ms'])} / {fmt(v['infer_p99_ms'])} | {fmt(v['total_p50_ms'])} / {fmt(v['total_p99_ms'])} |")
         lines += ["", "A rejected request is Triton's queue policy at work (REJECT after the compiled queue timeout); the client raises OverloadedError instead of retrying it.", ""]
+    if result.get("paths"):
+        lines += render_history([summarize_paths(result), *result.get("history", [])])
     return "\n".join(lines) + "\n"
 
 
@@ -424,7 +561,8 @@ def main() -> None:
         for r in range(args.rounds):
             for placement, loop in plan if r % 2 == 0 else list(reversed(plan)):
                 print(f"paths, placement {placement}, event loop {loop}, round {r}", flush=True)
-                run = run_paths_placed(repository, repo, placement, 1, n_rank, args.quick, loop)
+                # first_round=r: the ranking plans' order turns over with the rounds as the placements' does.
+                run = run_paths_placed(repository, repo, placement, 1, n_rank, args.quick, loop, first_round=r)
                 run["round"] = r
                 runs[placement if loop == "asyncio" else f"{placement}, {loop}"].append(run)
         result["paths"] = runs
@@ -447,6 +585,13 @@ def main() -> None:
                 if key in previous:
                     result[key] = previous[key]
             result["paths_carried_from"] = {k: previous["machine"].get(k) for k in ("date", "commit")}
+    if previous_file.exists() and "paths" in result:
+        # Earlier runs' headline numbers stay in the file (newest first), so a noisy machine's spread is on record.
+        previous = json.loads(previous_file.read_text())
+        if previous.get("paths"):
+            result["history"] = [summarize_paths(previous), *previous.get("history", [])][:12]
+        elif previous.get("history"):
+            result["history"] = previous["history"][:12]
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     text = render(result)
     (RESULTS / f"{args.out}.md").write_text(text)

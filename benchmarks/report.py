@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 PLOTS = RESULTS / "plots"
@@ -277,6 +279,55 @@ def evaluate_admission(data: dict) -> list[dict]:
     return rows
 
 
+PHASES = ("features", "client", "queue", "compute", "network")
+
+
+def _phase_plot(data: dict) -> tuple[str, str] | None:
+    """Stacked mean phases of the fraud request path per placement/event loop and load point (mean over rounds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = data.get("paths") or {}
+    if not paths:
+        return None
+    groups = []
+    for key, runs in paths.items():
+        points: dict[str, list[dict]] = {}
+        for r in runs:
+            for point, v in (r.get("fraud") or {}).items():
+                if "phases_mean_ms" in v:
+                    points.setdefault(point, []).append(v["phases_mean_ms"])
+        groups.append((key, {pt: {ph: float(np.mean([v[ph] for v in vs])) for ph in PHASES} for pt, vs in points.items()}))
+    labels = {"concurrency_1": "c1", "concurrency_16": "c16", "concurrency_64": "c64"}
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups) + 1, 4), sharey=False, squeeze=False)
+    for ax, (key, points) in zip(axes[0], groups):
+        names = list(points)
+        xs = [labels.get(n, n.replace("open_", "open ").replace("pct", "%")) for n in names]
+        totals = np.array([sum(points[n].values()) for n in names])
+        bottom = np.zeros(len(names))
+        for i, ph in enumerate(PHASES):
+            share = 100 * np.array([points[n][ph] for n in names]) / totals
+            ax.bar(xs, share, bottom=bottom, color=f"C{i}", label=ph)
+            bottom += share
+        for x, t in zip(xs, totals):
+            ax.text(x, 101, f"{t:.2f} ms", ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(0, 112)
+        ax.set_title(key, fontsize=9)
+        ax.tick_params(axis="x", labelsize=7, rotation=30)
+    axes[0][0].set_ylabel("% of the mean request (total above)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("Fraud end to end: where a request's time goes (features from Redis, model call through Triton)", fontsize=9)
+    fig.tight_layout()
+    plots, base = _PLOT_DIR["dir"], _PLOT_DIR["base"]
+    plots.mkdir(parents=True, exist_ok=True)
+    path = plots / "request_path_phases.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return "Fraud end to end: mean phases per load point (results/request_path.json)", os.path.relpath(path, base)
+
+
 def render_other_targets(results: Path) -> list[str]:
     """Issue 14's targets measured outside the peers run, from their own results files (absent files are said so)."""
     rows: list[tuple[str, dict]] = []
@@ -306,13 +357,21 @@ def render_other_targets(results: Path) -> list[str]:
         return []
     lines = ["## Issue 14's other targets: end to end, ranking, overload through the client, the other placement", "",
              "From the results files named in the first column (`benchmarks/bench_request_path.py`, `benchmarks/bench_admission.py`, "
-             "`scripts/bench.sh --server-cpus 1 --client-cpus 0 --out benchmarks/results/peers_split.json`); each target is judged on its worst round.", "",
+             "`scripts/bench.sh --only peers --server-cpus 1 --client-cpus 0 --out benchmarks/results/peers_split.json`); each target is judged on its worst round.", "",
              "| source | target | met | measured | where a miss is held |", "|---|---|---|---|---|"]
     for source, r in rows:
         lines.append(f"| {source} | {r['target']} | {'met' if r['met'] else '**missed**'} | {r['measured']} | {r['phase']} |")
     for name in missing:
         lines.append(f"| {name} | – | not measured | results/{name} is absent | – |")
-    return lines + [""]
+    lines.append("")
+    rp = results / "request_path.json"
+    plot = _phase_plot(json.loads(rp.read_text())) if rp.exists() else None
+    if plot:
+        lines += [f"![{plot[0]}]({plot[1]})", "",
+                  "A bar is one load point: each phase's share of the mean request, the mean in ms above it (features: the fetch; "
+                  "client: validation and assembly; queue and compute: Triton's statistics; network: the rest of the model call). "
+                  "Numbers: [results/request_path.md](results/request_path.md).", ""]
+    return lines
 
 
 # -- plots -----------------------------------------------------------------------------------------
