@@ -6,8 +6,8 @@
 # control. Writes benchmarks/results/{peers,request_path,admission}.{json,md} and regenerates
 # benchmarks/REPORT.md (+ results/plots/), whose last table judges every target of issue 14.
 #
-#   scripts/bench.sh                 # everything (~17 minutes of measuring on 2 cores)
-#   scripts/bench.sh --quick         # everything, short (~5 minutes; a smoke run, not for the results)
+#   scripts/bench.sh                 # everything (~15 minutes on 2 cores: peers 9, request path 3, admission 2)
+#   scripts/bench.sh --quick         # everything, short (3.5 minutes; a smoke run, not for the results)
 #   scripts/bench.sh --only peers    # one part: peers, request_path or admission
 #   scripts/bench.sh --only peers --targets scorestack,fastapi_onnxruntime --rounds 2   # other options go to suite.py
 #
