@@ -31,6 +31,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +52,9 @@ from scorestack.errors import InferenceError, OverloadedError, ServerError
 from scorestack.features import store
 from scorestack.features.fetch import FeatureFetcher
 from scorestack.serve import LocalTriton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import default_window_label  # noqa: E402 - benchmarks/report.py: the same rule as REPORT.md's target table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -420,7 +424,7 @@ def summarize_paths(result: dict) -> dict:
             return _rng([f[point][field] for f in fraud if point in f and field in f[point]])
 
         ranking = [r.get("ranking") or {} for r in runs]
-        window = next((k for k in next(iter(ranking[0].values()), {}) if "default" in k), None) if ranking and ranking[0] else None
+        window = default_window_label(ranking[0]) if ranking else None
         out["paths"][key] = {
             "fraud_c1_p50_ms": pick("concurrency_1", "p50_ms"), "fraud_c1_p99_ms": pick("concurrency_1", "p99_ms"),
             "fraud_c16_p50_ms": pick("concurrency_16", "p50_ms"), "fraud_c64_p50_ms": pick("concurrency_64", "p50_ms"),

@@ -64,6 +64,9 @@ def _point(summary: dict, target: str, mode: str, key: str) -> dict | None:
 
 
 # -- the issue's must-show targets ----------------------------------------------------------------
+C1_VS_NO_BATCHING = "c1 p50 no worse than Triton without batching"
+
+
 def evaluate_peers(data: dict) -> list[dict]:
     """Issue 14's targets for the fraud model, each met or missed, with the numbers and the phase that holds a miss."""
     s = data.get("summary", {})
@@ -109,7 +112,7 @@ def evaluate_peers(data: dict) -> list[dict]:
     delay = data.get("model", {}).get("triton", {}).get("max_queue_delay_us")
     if c1 and nob:
         met = c1["p50_ms"] <= nob["p50_ms"]
-        rows.append({"target": "c1 p50 no worse than Triton without batching", "met": met,
+        rows.append({"target": C1_VS_NO_BATCHING, "met": met,
                      "measured": f"{c1['p50_ms']:.3f} vs {nob['p50_ms']:.3f} ms",
                      "phase": "–" if met else (
                          f"queue: a lone request waits the batching delay (max_queue_delay_us={delay})" if delay else
@@ -186,8 +189,9 @@ E2E_FRAUD_C1 = (1.0, 1.5)  # p50, p99 ms
 RANKING_500_P99_MS = 10.0
 
 
-def _default_window(ranking: dict) -> str | None:
-    """The ranking variant measured with the client's default chunk window (its label says 'default')."""
+def default_window_label(ranking: dict) -> str | None:
+    """The ranking variant measured with the client's default chunk window (its label says 'default'); `ranking` maps a
+    candidate count to its variants. bench_request_path's run-to-run summary finds it the same way."""
     return next((k for k in next(iter(ranking.values()), {}) if "default" in k), None)
 
 
@@ -218,7 +222,7 @@ def evaluate_request_path(data: dict) -> list[dict]:
                 "phase": "–" if met else "mean phases ms: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
                          + f" (largest: {max(phases, key=phases.get)})",
             })
-        window = _default_window(runs[0].get("ranking") or {})
+        window = default_window_label(runs[0].get("ranking") or {})
         if window is None:
             continue
         per_count: dict[str, list[dict]] = {}
@@ -255,6 +259,7 @@ def evaluate_admission(data: dict) -> list[dict]:
     rows: list[dict] = []
     policies = [p for p in (data.get("policies") or "").split(",") if p and p != "none"]
     where = f"Triton on cores {data.get('server_cpus')}, the client on cores {data.get('client_cpus')}, {data.get('rows_per_request')} rows per request"
+    timeout_ms = ((data.get("model") or {}).get("default_timeout_us") or 0) / 1000
     for policy in ["none"] + policies:
         pts = [p for p in data.get("points", []) if p["policy"] == policy and p["mode"] == "open" and p.get("fraction") == 1.2]
         if not pts or budget is None:
@@ -263,7 +268,6 @@ def evaluate_admission(data: dict) -> list[dict]:
         p99s = [p["p99_ms"] for p in pts]
         met = all(shed) and max(p99s) <= budget
         target = next(((p.get("admission") or {}).get("target_ms") for p in pts), None)
-        timeout_ms = ((data.get("model") or {}).get("default_timeout_us") or 0) / 1000
         label = policy if policy in ("none", "fixed") or target is None else f"{policy} (target {target} ms" + (
             ", half the queue timeout: the client's default)" if timeout_ms and abs(target - timeout_ms / 2) < 0.05 else
             ", the queue timeout itself: the first default, replaced)" if timeout_ms and abs(target - timeout_ms) < 0.05 else ")")
@@ -332,27 +336,23 @@ def render_other_targets(results: Path) -> list[str]:
     """Issue 14's targets measured outside the peers run, from their own results files (absent files are said so)."""
     rows: list[tuple[str, dict]] = []
     missing = []
+    loaded: dict[str, dict] = {}
     for name, evaluate in (("request_path.json", evaluate_request_path), ("admission.json", evaluate_admission)):
         path = results / name
         if not path.exists():
             missing.append(name)
             continue
-        data = json.loads(path.read_text())
+        data = loaded[name] = json.loads(path.read_text())
         when = data.get("date") or (data.get("machine") or {}).get("date")
         rows += [(f"{name[:-5]} ({when})", r) for r in evaluate(data)]
     split = results / "peers_split.json"
     if split.exists():
         data = json.loads(split.read_text())
-        s = data.get("summary", {})
-        c1, nob = _point(s, "scorestack", "closed", "1"), _point(s, "scorestack_nobatch", "closed", "1")
-        if c1 and nob:
-            st = data.get("settings") or {}
-            met = c1["p50_ms"] <= nob["p50_ms"]
-            rows.append((f"peers_split ({data.get('date')})", {
-                "target": f"c1 p50 no worse than Triton without batching (servers on cores {st.get('server_cpus')}, load generator on cores {st.get('client_cpus')})",
-                "met": met, "measured": f"{c1['p50_ms']:.3f} vs {nob['p50_ms']:.3f} ms (p50 over rounds {_rng(c1.get('p50_range'))} vs {_rng(nob.get('p50_range'))} ms)",
-                "phase": "–" if met else "the dynamic batcher's hand-off",
-            }))
+        st = data.get("settings") or {}
+        for r in evaluate_peers(data):
+            if r["target"] == C1_VS_NO_BATCHING:
+                r["target"] += f" (servers on cores {st.get('server_cpus')}, load generator on cores {st.get('client_cpus')})"
+                rows.append((f"peers_split ({data.get('date')})", r))
     if not rows and not missing:
         return []
     lines = ["## Issue 14's other targets: end to end, ranking, overload through the client, the other placement", "",
@@ -364,8 +364,7 @@ def render_other_targets(results: Path) -> list[str]:
     for name in missing:
         lines.append(f"| {name} | – | not measured | results/{name} is absent | – |")
     lines.append("")
-    rp = results / "request_path.json"
-    plot = _phase_plot(json.loads(rp.read_text())) if rp.exists() else None
+    plot = _phase_plot(loaded["request_path.json"]) if "request_path.json" in loaded else None
     if plot:
         lines += [f"![{plot[0]}]({plot[1]})", "",
                   "A bar is one load point: each phase's share of the mean request, the mean in ms above it (features: the fetch; "
@@ -612,7 +611,7 @@ def write_report(results: Path = RESULTS, out: Path = REPORT, sources: dict[str,
         if path.exists():
             lines += render(json.loads(path.read_text()))
             rendered.add(path.stem)
-    if "peers.json" in SECTIONS and out == REPORT:
+    if out == REPORT:
         lines += render_other_targets(results)
     others = sorted(p for p in results.glob("*.md") if p.stem not in rendered and _tracked(p))
     if others:

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -219,7 +220,7 @@ def overload_check(peer: servers.Peer, target: loadgen.Target, duration_s: float
         h2cap = h2load_capacity(peer, target, duration_s, [client_core])
         out["h2load"]["capacity"] = h2cap
         base = h2cap.get("throughput") or cap.throughput
-        log(f"overload check h2load closed loop, 8 connections x 8 streams: {h2cap.get('throughput') or 0:,.0f} req/s, "
+        log(f"overload check h2load closed loop, {H2LOAD_CAPACITY_SHAPE[0]} connections x {H2LOAD_CAPACITY_SHAPE[1]} streams: {h2cap.get('throughput') or 0:,.0f} req/s, "
             f"{h2cap.get('rejected', '?')} rejected" + (f" ({h2cap['error']}; fractions of the Python capacity)" if h2cap.get("error") else ""))
         for f in fractions:
             rate = f * base
@@ -235,37 +236,41 @@ def overload_check(peer: servers.Peer, target: loadgen.Target, duration_s: float
     return out
 
 
+def _h2load_counted(peer: servers.Peer, run: Callable[[], dict]) -> tuple[dict, int, int, dict]:
+    """One h2load run with Triton's counts around it (h2load sees HTTP status only): (result, served, rejected, server stats)."""
+    before = peer.stats()
+    r = run()
+    after = peer.stats()
+    if not (before and after):
+        raise loadgen.LoadGenError("Triton's statistics did not answer: rejections cannot be counted")
+    return r, after["success"] - before["success"], after["fail"] - before["fail"], server_stats(before, after)
+
+
+H2LOAD_CAPACITY_SHAPE = (8, 8)  # connections x streams: 64 outstanding, as the Python closed loop
+
+
 def h2load_capacity(peer: servers.Peer, target: loadgen.Target, duration_s: float, cpus: list[int]) -> dict:
     """h2load's closed loop at 64 outstanding requests (8 connections x 8 streams): served/s and Triton's rejections."""
-    before = peer.stats()
+    connections, streams = H2LOAD_CAPACITY_SHAPE
     try:
         # A fixed count, every answer awaited: stopping at a duration cancels 64 calls in flight, after which
         # Triton's statistics stopped answering in a run of 2026-12-03 (the cancellation crash, server#7368).
-        r = loadgen.h2load_closed(target, 8, 8, duration_s, cpus, requests=max(5_000, round(20_000 * duration_s)))
+        r, ok, fail, stats = _h2load_counted(peer, lambda: loadgen.h2load_closed(
+            target, connections, streams, duration_s, cpus, requests=max(5_000, round(20_000 * duration_s))))
     except loadgen.LoadGenError as exc:
         return {"error": str(exc)}
-    after = peer.stats()
-    if not (before and after):
-        return {"error": "Triton's statistics did not answer"}
-    ok, fail = after["success"] - before["success"], after["fail"] - before["fail"]
-    return {"connections": 8, "streams": 8, "requests": ok + fail, "throughput": ok / max(r["answer_span_s"], 1e-9), "rejected": fail,
-            "p99_ms": r["p99_ms"], "client_cpu_cores": r["client_cpu_cores"], "server_stats": server_stats(before, after)}
+    return {"connections": connections, "streams": streams, "requests": ok + fail, "throughput": ok / max(r["answer_span_s"], 1e-9),
+            "rejected": fail, "p99_ms": r["p99_ms"], "client_cpu_cores": r["client_cpu_cores"], "server_stats": stats}
 
 
 def h2load_point(peer: servers.Peer, target: loadgen.Target, rate: float, fraction: float, duration_s: float, cpus: list[int]) -> dict:
     """One open-loop point from h2load. Rejections are counted by Triton (h2load sees HTTP status only); the served
     requests' p99 is bounded from above: with R rejected and S served of the T answers, rejected answers may be the
     fastest, so the served 99th percentile is at most the all-answer quantile at (R + 0.99 S) / T."""
-    before = peer.stats()
-    r = loadgen.h2load_open(target, rate, duration_s, cpus, drain=True)
-    after = peer.stats()
-    if not (before and after):
-        raise loadgen.LoadGenError("Triton's statistics did not answer: rejections cannot be counted")
-    ok, fail = after["success"] - before["success"], after["fail"] - before["fail"]
+    r, ok, fail, stats = _h2load_counted(peer, lambda: loadgen.h2load_open(target, rate, duration_s, cpus, drain=True))
     lat = r.pop("latencies_ms")
     q = (fail + 0.99 * ok) / max(ok + fail, 1)
     served_p99 = float(np.quantile(lat, min(q, 1.0))) if len(lat) else float("nan")
-    stats = server_stats(before, after)
     return {**r, "mode": "open", "fraction": fraction, "sent": ok + fail, "throughput": ok / max(r["answer_span_s"], 1e-9),
             "errors": {"rejected": fail}, "p99_all_ms": r["p99_ms"], "p99_ms": served_p99, "p99_from_send_ms": served_p99,
             "send_lag_ms_p99": None, "server_stats": stats}

@@ -47,7 +47,7 @@ class RankingService(ScoringPath):
     instance is always left waiting: Triton 2.51's batcher hands work only to a waiting instance and
     is not woken by one going idle, so with every instance busy on this request's chunks the next
     chunk could wait for its 500 ms timer and be rejected (2 of 80 requests of 1000 candidates with
-    one chunk per instance in flight, Triton on one core; benchmarks/results/request_path.md). A model
+    one chunk per instance in flight, Triton on one core; benchmarks/results/request_path_0439.md). A model
     without a queue policy (`serving.queue_policy: false`) rejects nothing for time and its batcher
     pre-fetches: every chunk goes at once.
     """

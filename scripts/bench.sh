@@ -22,7 +22,8 @@ suite_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=(--quick); shift ;;
-    --only) only="${2:-}"; shift 2 ;;
+    --only) [ $# -ge 2 ] || { echo "scripts/bench.sh: --only needs a part: peers, request_path or admission" >&2; exit 2; }
+            only="$2"; shift 2 ;;
     --only=*) only="${1#--only=}"; shift ;;
     *) suite_args+=("$1"); shift ;;
   esac
