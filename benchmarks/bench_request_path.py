@@ -42,7 +42,7 @@ from scorestack import limits, paths
 from scorestack.client.diagnose import breakdown, measure, server_snapshot
 from scorestack.client.fraud import FraudService
 from scorestack.client.ranking import RankingService
-from scorestack.client.server_stats import read_statistics
+from scorestack.client.server_stats import ModelStats, read_statistics, settled
 from scorestack.client.triton import TritonClient
 from scorestack.compile import compile_model
 from scorestack.demo import data as demo_data
@@ -119,6 +119,10 @@ def placement(pids: list[int]) -> list[dict]:
     return out
 
 
+async def _model_statistics(triton: TritonClient, model: str) -> ModelStats:
+    return (await read_statistics(triton, [model]))[model]
+
+
 # --- a closed loop of model calls ---------------------------------------------------------------------
 async def closed_loop(triton: TritonClient, model: str, x: np.ndarray, n: int, concurrency: int, pids: list[int]) -> dict:
     lat: list[float] = []
@@ -145,12 +149,11 @@ async def closed_loop(triton: TritonClient, model: str, x: np.ndarray, n: int, c
             await triton.infer(model, {"features": x})
         except OverloadedError:
             warm_rejected += 1
-    before = (await read_statistics(triton, [model]))[model]
+    before = await _model_statistics(triton, model)
     cpu0, wall0, own0 = cpu_seconds(pids), time.perf_counter(), time.process_time()
     await asyncio.gather(*(caller() for _ in range(concurrency)))
     wall, own, cpu = time.perf_counter() - wall0, time.process_time() - own0, cpu_seconds(pids) - cpu0
-    await asyncio.sleep(0.05)
-    stats = (await read_statistics(triton, [model]))[model] - before
+    stats = await settled(lambda: _model_statistics(triton, model), lambda s: (s - before).success.count >= len(lat)) - before
     done = len(lat)
     return {
         "requests": n, "served": done, "rejected": rejected, "failed": failed, "warmup_rejected": warm_rejected,
@@ -166,7 +169,7 @@ def start_server(repository: Path, models: list[str], attempts: int = 3, cpus: l
     ports drawn equal) is retried."""
     for attempt in range(attempts):
         try:
-            return LocalTriton(repository, models=models, cpus=cpus).start()
+            return LocalTriton(repository, models=models, cpus=cpus, exit_timeout_s=0).start()
         except ServerError:
             if attempt == attempts - 1:
                 raise
@@ -201,7 +204,6 @@ async def batching_round(grpc_url: str, pid: int, conc: dict[int, int], pinned: 
     if pinned and len(cpus) >= 2:  # the client (this process, its gRPC threads too) on one core, the server on the rest
         pin([os.getpid()], {cpus[0]})
     async with TritonClient(grpc_url, deadline_s=5.0) as triton:
-        await asyncio.sleep(0.5)  # let the stubs settle after loading
         pids = server_processes(pid)
         if pinned and len(cpus) >= 2:
             pin(pids, set(cpus[1:]))
@@ -297,8 +299,7 @@ async def open_loop(triton: TritonClient, model: str, send, rate: float, seconds
         tasks.append(asyncio.create_task(one(i, float(at))))
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - start
-    await asyncio.sleep(0.05)  # statistics are updated when responses are released
-    after = await server_snapshot(triton, model)
+    after = await settled(lambda: server_snapshot(triton, model), lambda s: s.success_count - before.success_count >= len(results))
     if not results:
         return {"rate": rate, "served": 0, "errors": errors}
     b = breakdown("fraud", model, [r.timings_ms for r in results], len(results), before, after, sum(bool(r.degraded) for r in results))

@@ -171,7 +171,7 @@ def main() -> None:
         certs = write_dev_certs(root / "certs")
         server_tls = {"plaintext": None, "tls": ServerTls.from_dir(certs.directory), "mutual_tls": ServerTls.from_dir(certs.directory, mutual=True)}
         client_tls = {"plaintext": None, "tls": ClientTls(certs.ca), "mutual_tls": ClientTls.from_dir(certs.directory)}
-        servers = {v: LocalTriton(repo, tls=server_tls[v]).start() for v in VARIANTS}
+        servers = {v: LocalTriton(repo, tls=server_tls[v], exit_timeout_s=0).start() for v in VARIANTS}
         try:
             before = [round(x, 2) for x in os.getloadavg()]
             results = asyncio.run(run({v: s.grpc_url for v, s in servers.items()}, client_tls, args.rounds, args.requests, args.requests_64, args.fresh))

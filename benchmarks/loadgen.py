@@ -34,7 +34,7 @@ import numpy as np
 GRPC_INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 # Triton's queue policy answers UNAVAILABLE with these messages (an unreachable server too: tell
-# them apart by the message, PLATFORM_NOTES).
+# them apart by the message, docs/platform-notes.md).
 _REJECTION_MESSAGES = ("request timeout expired", "exceeds maximum queue size", "maximum queue size")
 
 

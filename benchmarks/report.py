@@ -31,7 +31,7 @@ LABELS = {
 }
 PERF_ANALYZER_NOTE = (
     "NVIDIA's `perf_analyzer` (the usual Triton load tool) cannot run here: its wheels need glibc 2.38 and this machine "
-    "has glibc 2.36 (Debian 12; PLATFORM_NOTES). The suite uses its own load generator, `benchmarks/loadgen.py`."
+    "has glibc 2.36 (Debian 12; docs/platform-notes.md). The suite uses its own load generator, `benchmarks/loadgen.py`."
 )
 
 

@@ -919,7 +919,7 @@ def main(argv: list[str] | None = None) -> int:
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
     repository, feature_repo = _prepare(redis_url, args.users, args.recompile)
-    with LocalTriton(repository, models=["fraud_xgb"]) as server:
+    with LocalTriton(repository, models=["fraud_xgb"], exit_timeout_s=0) as server:
         result = run_soak(
             duration,
             window,

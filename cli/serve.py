@@ -27,6 +27,7 @@ def serve(
     admin_key_file: Optional[Path] = typer.Option(None, "--admin-key-file", help="File holding the admin key (default: $SCORESTACK_ADMIN_KEY, else the file $SCORESTACK_ADMIN_KEY_FILE). Never pass the key itself on a command line."),
     allow_open_admin: bool = typer.Option(False, "--allow-open-admin", help="Serve on a non-loopback address without an admin key (anyone who reaches the port may load and unload models)."),
     cpus: Optional[str] = typer.Option(None, "--cpus", help="CPUs tritonserver may run on, e.g. 1 or 2-3 (default: all of this process's). Give the server cores of its own where its callers share the machine."),
+    exit_timeout_s: int = typer.Option(30, "--exit-timeout-s", min=0, help="At Ctrl-C, seconds to let in-flight requests finish (Triton's --exit-timeout-secs); 0 stops at once."),
 ) -> None:
     """Run a real Triton Inference Server on this machine until Ctrl-C.
 
@@ -70,6 +71,7 @@ def serve(
         admin_key=admin_key,
         tls=tls,
         cpus=cpus,
+        exit_timeout_s=exit_timeout_s,
     )
     with console.status("starting tritonserver (first run creates the server environment: a few minutes)"):
         server.start()

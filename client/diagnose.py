@@ -25,7 +25,7 @@ import numpy as np
 
 from scorestack.client.advice import OTHER_ADVICE, Decision, FeatureSide, ServedConfig, decide_compute, decide_features, decide_queue
 from scorestack.client.metrics import Scrape
-from scorestack.client.server_stats import SERVER_PHASES, ModelStats, failures_by_reason, fetch_text, read_statistics
+from scorestack.client.server_stats import SERVER_PHASES, ModelStats, failures_by_reason, fetch_text, read_statistics, settled
 from scorestack.client.triton import TritonClient
 from scorestack.errors import InferenceError
 from scorestack.serve.security import ClientTls, load_admin_key
@@ -200,12 +200,10 @@ async def measure(
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
 
     await asyncio.gather(*(one(i) for i in range(n)))
-    # Statistics are updated when responses are released: give the last ones a moment.
-    await asyncio.sleep(0.05)
-    after = await server_snapshot(triton, model)
+    calls = sum(getattr(r, "chunks", 1) for r in results)
+    after = await settled(lambda: server_snapshot(triton, model), lambda s: s.success_count - before.success_count >= calls)
     if not results:
         raise InferenceError(f"model {model!r}: all {n} {service} requests failed: {errors}")
-    calls = sum(getattr(r, "chunks", 1) for r in results)
     b = breakdown(service, model, [r.timings_ms for r in results], calls, before, after, sum(bool(r.degraded) for r in results))
     b.errors = errors
     return b

@@ -24,7 +24,7 @@ from scorestack.client.diagnose import (
     read_failures,
     save_profile,
 )
-from scorestack.client.server_stats import read_statistics
+from scorestack.client.server_stats import ModelStats, read_statistics, settled
 from scorestack.errors import InferenceError
 
 
@@ -87,7 +87,7 @@ async def replay(
         for i in range(warmup):
             await triton.infer(model, {tensor.name: batch(i)})
         fail_before = read_failures(target)
-        before = (await read_statistics(triton, [model]))[model]
+        before = await _model_statistics(triton, model)
         latencies: list[float] = []
         errors: dict[str, int] = {}
         sem = asyncio.Semaphore(concurrency if rate is None else max(concurrency, 1024))
@@ -106,8 +106,7 @@ async def replay(
                 latencies.append((time.perf_counter() - t) * 1e3)
 
         await asyncio.gather(*(one(i) for i in range(requests)))
-        await asyncio.sleep(0.05)  # statistics are updated as responses are released
-        after = (await read_statistics(triton, [model]))[model]
+        after = await settled(lambda: _model_statistics(triton, model), lambda s: (s - before).success.count >= len(latencies))
         window = time.monotonic() - started
         delta = after - before
         if target.stats_file is not None:
@@ -123,3 +122,7 @@ async def replay(
         if errors:
             ctx = replace(ctx, notes=(*ctx.notes, f"{sum(errors.values())} of {requests} requests failed: {errors}"))
         return diagnose_model("replay", delta, window, ctx, client=client, client_phases={}, failures=failure_delta(fail_before, read_failures(target), model))
+
+
+async def _model_statistics(triton, model: str) -> ModelStats:  # noqa: ANN001 - a TritonClient
+    return (await read_statistics(triton, [model]))[model]

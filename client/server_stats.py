@@ -10,7 +10,7 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 from scorestack.errors import InferenceError
 
@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 SERVER_PHASES = ("queue", "compute_input", "compute_infer", "compute_output", "cache")
 _DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
 DEFAULT_TIMEOUT_S = 5.0
+# Triton counts a request when it releases it, which can come just after the client has its
+# response: a reading taken right after the last answer may miss the last few.
+SETTLE_TIMEOUT_S = 2.0
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,21 @@ async def read_statistics(triton: "TritonClient", models: Sequence[str] | None =
             raise InferenceError(f"{target}: statistics unavailable from Triton at {triton.url}: {message}") from exc
         out.update(parse_statistics(doc))
     return out
+
+
+async def settled(read: Callable[[], Awaitable[_T]], counted: Callable[[_T], bool], timeout_s: float = SETTLE_TIMEOUT_S) -> _T:
+    """Re-read statistics (`read`) until `counted(reading)` says every request sent is in it, or
+    `timeout_s` passes: a bounded poll of the counter, never a guess at how long Triton takes.
+    Returns the last reading either way; the caller's own check of its counts then decides."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    reading = await read()
+    while not counted(reading) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+        reading = await read()
+    return reading
 
 
 def fetch_text(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:

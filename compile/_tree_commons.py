@@ -16,7 +16,7 @@ from .registry import Artifact, ConvertContext, Skip, output_column
 
 ONNX_OPSET = 17
 # hummingbird's perf_tree_trav strategy (chosen for deep trees) writes 2^depth nodes per tree:
-# a depth-18 model came out at 819 MB (PLATFORM_NOTES); refuse before wasting the time.
+# a depth-18 model came out at 819 MB (docs/platform-notes.md); refuse before wasting the time.
 HUMMINGBIRD_MAX_DEPTH = 12
 TL2CGEN_ARTIFACT = "model-tl2cgen.so"  # a name no `import` can resolve (see emit.check_artifact_name)
 

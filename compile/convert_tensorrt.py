@@ -1,7 +1,7 @@
 """TensorRT engines for `target: gpu`: from the tensorized (hummingbird) ONNX graph of tree models, and from the exported graph of image models.
 
 TensorRT cannot parse ai.onnx.ml TreeEnsemble ops, so the engine is built from hummingbird's
-tensor-op graph. TensorRT is not installable on the project's CPU machines (PLATFORM_NOTES): there
+tensor-op graph. TensorRT is not installable on the project's CPU machines (docs/platform-notes.md): there
 this converter reports "skipped" with the reason. Written against TensorRT 10's Python API; the
 plan runs through the model runtime's TensorRT runner (serve/runtime/scorestack_runtime.py).
 """

@@ -35,7 +35,7 @@ def sklearn_wrapper(source: SourceModel) -> Any:
     """The booster inside the sklearn class a converter expects for the task.
 
     Rankers are wrapped as regressors on purpose: onnxmltools refuses XGBRanker, and converting the
-    raw Booster silently yields a classifier (PLATFORM_NOTES).
+    raw Booster silently yields a classifier (docs/platform-notes.md).
     """
     import xgboost as xgb
 
@@ -121,7 +121,7 @@ def _plain_base_score() -> Iterator[None]:
 
 
 def hummingbird_extra_config(source: SourceModel) -> dict[str, Any]:
-    """hummingbird ignores a binary model's fitted base_score unless given as a margin (PLATFORM_NOTES)."""
+    """hummingbird ignores a binary model's fitted base_score unless given as a margin (docs/platform-notes.md)."""
     extra: dict[str, Any] = {"n_features": source.n_features}
     if source.task == "binary":
         p = min(max(base_score(source.model)[0], 1e-12), 1 - 1e-12)

@@ -23,7 +23,7 @@ from .registry import Artifact
 from .report import TritonSettings
 from .spec import ModelSpec
 
-# gRPC round trip of the local Triton at batch 1 without model work (PLATFORM_NOTES: 0.44-0.57 ms).
+# gRPC round trip of the local Triton at batch 1 without model work (docs/platform-notes.md: 0.44-0.57 ms).
 SERVER_OVERHEAD_US = 500
 # Triton's dynamic batcher forms a batch from the requests already queued whenever an instance is
 # free, so with no queue delay batches still form under load while a lone request runs at once.
@@ -83,7 +83,7 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
            if instances != running else f"; instance_group count = {instances}")
         + "; threads per instance = the lowest weighted latency among the spec's thread counts whose capacity "
         "(instances × best rows/s) is within 90% of the best (compile/measure.choose_threads).",
-        f"slack = budget {budget:.0f} µs − server overhead {SERVER_OVERHEAD_US} µs (gRPC floor, PLATFORM_NOTES) − "
+        f"slack = budget {budget:.0f} µs − server overhead {SERVER_OVERHEAD_US} µs (gRPC floor, docs/platform-notes.md) − "
         f"model time at batch {max_batch} {t_max:.0f} µs = {slack:.0f} µs.",
         f"max_queue_delay_microseconds = {delay}: Triton forms a batch from the requests already queued whenever an instance "
         "is free, so batches form under load while a lone request runs at once; a delay is paid in full by every lone request "

@@ -46,7 +46,8 @@ def check_served(
     sent = np.concatenate([X] + [holdout.X[np.arange(n) % len(holdout.X)] for n in request_sizes or []])
     want = predict(sent).reshape(len(sent), -1)
     try:
-        with LocalTriton(repository, models=[name], ready_timeout_s=ready_timeout_s) as server:
+        # Stopped only after every request of the check is answered: no drain to wait for.
+        with LocalTriton(repository, models=[name], ready_timeout_s=ready_timeout_s, exit_timeout_s=0) as server:
             client = grpcclient.InferenceServerClient(server.grpc_url)
             try:
                 cfg = client.get_model_config(name, client_timeout=30).config

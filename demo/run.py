@@ -74,7 +74,7 @@ def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_ca
     console.print(f"[green]features[/green] materialized into {online} ({feature_repo})")
 
     with console.status("starting Triton"):
-        server = LocalTriton(repository).start()
+        server = LocalTriton(repository, exit_timeout_s=0).start()  # stopped after its own traffic is answered
     try:
         console.print(f"[green]Triton[/green] ready at {server.grpc_url} serving {', '.join(server.ready_models())}")
         breakdowns = asyncio.run(run_diagnosis(server.grpc_url, feature_repo, n_fraud, n_ranking, n_candidates))

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 PROJECT = "scorestack"
 DEFINITIONS = Path(__file__).resolve().parent / "repo" / "definitions.py"
 
-# Bounds on every Redis call Feast makes (PLATFORM_NOTES: with redis-py's default retries a read
+# Bounds on every Redis call Feast makes (docs/platform-notes.md: with redis-py's default retries a read
 # against a stopped Redis blocked 6.7-9.8 s). The request path adds its own, tighter budget.
 REDIS_SOCKET_TIMEOUT_S = 1.0
 REDIS_CONNECT_TIMEOUT_S = 0.5

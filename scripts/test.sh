@@ -7,7 +7,8 @@ bash scripts/setup.sh
 if ! .venv/bin/python -c "import redis,sys; redis.Redis(host='127.0.0.1', port=6379, socket_timeout=1, socket_connect_timeout=1).ping()" 2>/dev/null; then
   if command -v redis-server >/dev/null; then
     redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
-    sleep 0.5
+    # Bounded wait for it to answer (not a guess at how long it takes).
+    .venv/bin/python -c "from scorestack.serve.readiness import port_open, wait_until; wait_until(lambda: port_open('127.0.0.1', 6379), timeout_s=10, what='redis-server on 127.0.0.1:6379')"
   else
     echo "warning: no Redis at 127.0.0.1:6379 and no redis-server binary (apt-get install redis-server): Redis tests will fail" >&2
   fi

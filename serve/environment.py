@@ -88,7 +88,7 @@ class ServerEnvironment:
         return self.triton_root / "python_backend_stubs" / version / "triton_python_backend_stub"
 
     def launch_env(self) -> dict[str, str]:
-        """Environment for `tritonserver` and its Python backend stub (see PLATFORM_NOTES)."""
+        """Environment for `tritonserver` and its Python backend stub (see docs/platform-notes.md)."""
         env = dict(os.environ)
         libdir = sysconfig.get_config_var("LIBDIR") or ""
         ld = [p for p in (libdir, str(self.libs_dir), env.get("LD_LIBRARY_PATH", "")) if p]

@@ -9,29 +9,31 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from scorestack.serve import server as _server
+from scorestack.serve.readiness import port_open, process_exit, wait_until
 from scorestack.serve.server import free_port
 
+
+
+class LocalTriton(_server.LocalTriton):
+    """The real LocalTriton, stopped without a drain: a test stops its server only after its own
+    requests are answered, so nothing is in flight and Triton's 1-6 s wait for its models to unload
+    buys nothing (exit_timeout_s=0). `scorestack serve`, started by tests as a command, keeps the
+    default drain."""
+
+    def __init__(self, *args, exit_timeout_s: int = 0, **kwargs) -> None:  # noqa: ANN002, ANN003 - LocalTriton's own
+        super().__init__(*args, exit_timeout_s=exit_timeout_s, **kwargs)
 
 
 def require(reason: str) -> None:
     """A required service is missing: fail, saying what is missing and how to provide it."""
     pytest.fail(f"required service missing: {reason}")
-
-
-def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="session")
@@ -70,12 +72,7 @@ class RedisProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if _port_open("127.0.0.1", self.port):
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        wait_until(lambda: port_open("127.0.0.1", self.port), timeout_s=10, what=f"redis-server on port {self.port}", died=process_exit(self.proc))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from scorestack.errors import ServerError
+from scorestack.serve.readiness import all_of, http_ok, port_open, process_exit, wait_until
 
 
 def cmdlines() -> dict[int, bytes]:
@@ -25,17 +27,18 @@ def cmdlines() -> dict[int, bytes]:
     return out
 
 
-def wait_ready(http_port: int, proc: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> None:
-    """Wait for Triton's HTTP readiness; fail with the log's tail if it exits or never gets ready."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.1)
-    pytest.fail(f"tritonserver not ready (exit {proc.poll()}): {log.read_text(errors='replace')[-2000:]}")
+def wait_ready(http_port: int, proc: subprocess.Popen, log: Path, timeout_s: float = 60.0, *, grpc_port: int | None = None, metrics_port: int | None = None) -> None:
+    """Wait (bounded) until every endpoint Triton was asked to open answers; fail with the log's tail
+    if it exits or never gets ready."""
+    probes = [lambda: http_ok(f"http://127.0.0.1:{http_port}/v2/health/ready")]
+    if grpc_port:
+        probes.append(lambda: port_open("127.0.0.1", grpc_port))
+    if metrics_port:
+        probes.append(lambda: http_ok(f"http://127.0.0.1:{metrics_port}/metrics"))
+    try:
+        wait_until(all_of(*probes), timeout_s=timeout_s, what="tritonserver", died=process_exit(proc))
+    except ServerError as exc:
+        pytest.fail(f"{exc}: {log.read_text(errors='replace')[-2000:]}")
 
 
 def repository_index_status(http_port: int, headers: dict[str, str]) -> int:

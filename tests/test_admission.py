@@ -21,7 +21,7 @@ from sklearn.ensemble import GradientBoostingClassifier
 from scorestack.client.admission import AdaptiveLimit, Gate, policy_of
 from scorestack.client.triton import TritonClient
 from scorestack.errors import OverloadedError, RequestValidationError
-from scorestack.serve import LocalTriton
+from conftest import LocalTriton
 from scorestack.serve.environment import ensure_server_environment
 
 N_FEATURES = 8

@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 import xgboost as xgb
 
 from scorestack import schema
-from scorestack.serve import LocalTriton
+from conftest import LocalTriton
 
 pytestmark = pytest.mark.slow
 

@@ -171,7 +171,7 @@ def test_hummingbird_with_base_score_is_exact(tmp_path: Path, demo_dir: Path) ->
 def test_ranker_converted_as_raw_booster_is_rejected(tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from scorestack.compile import convert_xgboost
 
-    # onnxmltools turns a raw ranker Booster into a classifier without complaint (PLATFORM_NOTES).
+    # onnxmltools turns a raw ranker Booster into a classifier without complaint (docs/platform-notes.md).
     monkeypatch.setattr(convert_xgboost, "_onnx_input_model", lambda source: convert_xgboost._anonymous(source.model))
     spec = write_spec(tmp_path, demo_dir / "ranking_xgb.yaml", "rank_bad", formats=["onnx", "native"])
     report = compile_model(spec, tmp_path / "repo")

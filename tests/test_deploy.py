@@ -29,7 +29,7 @@ import yaml
 from restricted_triton import assert_restricted_to, cmdlines, wait_ready
 
 from scorestack import schema
-from scorestack.serve import LocalTriton
+from conftest import LocalTriton
 from scorestack.serve.environment import RUNTIME_REQUIREMENTS_FILE, SERVER_REQUIREMENTS, TRITON_WHEEL, read_requirements, requirements_hash
 from scorestack.serve.security import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, ADMIN_KEY_HEADER, KEY_FD_ENV, KEY_PLACEHOLDER_ENV, RESTRICTED_APIS, AdminKey
 
@@ -48,7 +48,7 @@ K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 # Facts of the official Triton releases (NVIDIA's release notes and the server's build.py): the
 # Triton core each container carries and the Python its Python backend runs.
 TRITON_CONTAINERS = {"24.10": ("2.51.0", "3.10"), "24.11": ("2.52.0", "3.12")}
-LOCAL_TRITON = "2.51.0"  # in nvidia-pytriton 0.7.0 (PLATFORM_NOTES)
+LOCAL_TRITON = "2.51.0"  # in nvidia-pytriton 0.7.0 (docs/platform-notes.md)
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -745,7 +745,7 @@ def test_triton_entrypoint_restricts_the_real_tritonserver_to_the_key_file(tmp_p
     with open(tmp_path / "tritonserver.log", "wb") as log:
         proc = subprocess.Popen(["bash", str(ENTRYPOINT), *args], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(h, proc, tmp_path / "tritonserver.log")
+        wait_ready(h, proc, tmp_path / "tritonserver.log", grpc_port=g, metrics_port=m)
         # The script exec'd tritonserver: same process, whose command line ends with the flags, placeholder in.
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
         assert Path(cmdline[0]).name == "tritonserver" and cmdline[1:-2] == args[1:]

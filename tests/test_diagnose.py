@@ -29,7 +29,7 @@ from scorestack import schema
 from scorestack.demo import data as demo_data
 from scorestack.client.server_stats import SERVER_PHASES, parse_statistics
 from scorestack.compile import compile_model
-from scorestack.serve import LocalTriton
+from conftest import LocalTriton
 
 MODEL = "acme_risk"  # not a demo model: trained and compiled by this test
 CACHED = "acme_cached"  # the same, served with Triton's response cache
@@ -414,7 +414,7 @@ def test_compute_decision_prints_a_recompile_command_the_compiler_accepts(deploy
     assert len(curves) >= 2, f"the compile measured one format only: {curves}"
     slow = max(curves, key=lambda f: curves[f][1])
     fast = min(curves, key=lambda f: curves[f][1])
-    assert curves[slow][1] > 1.2 * curves[fast][1], curves  # onnx vs native XGBoost at batch 1 (PLATFORM_NOTES: >10x)
+    assert curves[slow][1] > 1.2 * curves[fast][1], curves  # onnx vs native XGBoost at batch 1 (docs/platform-notes.md: >10x)
     served = report.model_copy(update={"selected": report.selected.model_copy(update={"format": slow})})
     window = ModelStats(MODEL, success=Duration(400, 400 * 10**6), compute_infer=Duration(400, 400 * 10**6),
                         inference_count=400, execution_count=400, batches={1: 400}, batch_infer_ns={1: 400 * int(curves[slow][1] * 1e3)})  # fmt: skip

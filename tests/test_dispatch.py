@@ -22,7 +22,7 @@ import xgboost as xgb
 import yaml
 
 from scorestack.compile import compile_model
-from scorestack.serve import LocalTriton
+from conftest import LocalTriton
 from scorestack.triton_config import load_config
 
 N_FEATURES = 20

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 
 import numpy as np
 import pytest
 
-from scorestack.errors import FeatureError
+from scorestack.errors import FeatureError, ServerError
 from scorestack.features import store
 from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
 from scorestack.serve.devcerts import DevCerts, write_dev_certs
+from scorestack.serve.readiness import port_open, process_exit, wait_until
 from scorestack.serve.server import free_port
 
 
@@ -37,17 +37,10 @@ def tls_redis(tmp_path):
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 10
-        import socket
-
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"redis-server with TLS did not start: {proc.stdout.read().decode()[-500:]}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+        try:
+            wait_until(lambda: port_open("127.0.0.1", port), timeout_s=10, what="redis-server with TLS", died=process_exit(proc))
+        except ServerError as exc:
+            pytest.fail(f"{exc}: {proc.stdout.read().decode()[-500:] if proc.poll() is not None else ''}")
         yield port, certs
     finally:
         proc.terminate()

@@ -1,4 +1,4 @@
-"""The house (ARCHITECTURE.md): which floor may import which, read from the source with `ast`.
+"""The house (docs/architecture.md): which floor may import which, read from the source with `ast`.
 
 Every import counts, at module level or inside a function (lazy) or under TYPE_CHECKING, and so does
 a module path handed to `importlib.import_module` or a lazy-export table as a string.

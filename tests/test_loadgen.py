@@ -14,7 +14,7 @@ import pytest
 from sklearn.ensemble import GradientBoostingClassifier
 from skl2onnx import to_onnx
 
-from scorestack.serve import LocalTriton
+from conftest import LocalTriton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import loadgen  # noqa: E402

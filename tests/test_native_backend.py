@@ -23,7 +23,8 @@ import xgboost as xgb
 import yaml
 
 from scorestack.compile import compile_model
-from scorestack.serve import LocalTriton, native
+from conftest import LocalTriton
+from scorestack.serve import native
 from scorestack.triton_config import load_config
 
 N_FEATURES = 12

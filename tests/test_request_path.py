@@ -22,7 +22,7 @@ from scorestack.errors import FeatureError, InferenceError, InputValidationError
 from scorestack.features import store
 from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
-from scorestack.serve import LocalTriton
+from conftest import LocalTriton
 from scorestack.serve.server import free_port
 
 N_USERS, N_ITEMS = 400, 600

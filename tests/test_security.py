@@ -20,7 +20,7 @@ import xgboost as xgb
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from conftest import ServeOutput
+from conftest import LocalTriton, ServeOutput
 from restricted_triton import assert_restricted_to, cmdlines, wait_ready
 
 from scorestack import limits, schema
@@ -32,7 +32,6 @@ from scorestack.errors import AdminKeyError, RequestValidationError, TlsError
 from scorestack.features import store
 from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
-from scorestack.serve import LocalTriton
 from scorestack.serve.control import load_version, unload_model
 from scorestack.serve.devcerts import issue_client_cert, write_dev_certs
 from scorestack.serve.security import (
@@ -438,7 +437,7 @@ def test_tritonserver_restricted_by_a_key_it_never_had_on_its_command_line(serve
         proc = subprocess.Popen(handoff.args, env=env, pass_fds=(handoff.read_fd,), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     handoff.close()
     try:
-        wait_ready(h, proc, tmp_path / "tritonserver.log")
+        wait_ready(h, proc, tmp_path / "tritonserver.log", grpc_port=g, metrics_port=m)
         holders = {pid for pid, cmd in cmdlines().items() if key.value.encode() in cmd}
         assert holders == set() and key.value.encode() not in Path(f"/proc/{proc.pid}/environ").read_bytes()
         assert_restricted_to(key, handoff.env[KEY_PLACEHOLDER_ENV], h, g)

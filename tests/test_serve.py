@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import platform
+import socket
 import subprocess
 import threading
 import urllib.request
@@ -20,7 +21,8 @@ from sklearn.ensemble import GradientBoostingClassifier
 from skl2onnx import to_onnx
 
 from scorestack.errors import ConfigError, PlatformError, ServerError
-from scorestack.serve import LocalTriton, build_local_view, check_platform, ensure_server_environment
+from conftest import LocalTriton
+from scorestack.serve import build_local_view, check_platform, ensure_server_environment
 from scorestack.serve.view import render_model
 from scorestack.triton_config import load_config, parse_config
 
@@ -293,6 +295,37 @@ def test_cpu_lists_parse():
     assert parse_cpus(str(first)) == {first}
     assert parse_cpus([first]) == {first}
     assert parse_cpus(f"{first}-{first}, {first}") == {first}
+
+
+def test_ready_means_every_endpoint_answers_and_a_taken_metrics_port_is_retried(onnx_repo, server_env, monkeypatch):
+    """Triton binds gRPC, then HTTP, then metrics last, and dies when the metrics port is taken: ready
+    is every endpoint answering, so a start that returned has a metrics port that answers. The port
+    is really held by another socket; the patch only makes free_port hand out that port, as a race
+    with another process would."""
+    from scorestack.serve import server as server_module
+    from scorestack.serve.readiness import http_ok, port_open
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        # Every port fixed: no new ports to try, and the error names the collision.
+        fixed = LocalTriton(onnx_repo, server_env=server_env, grpc_port=server_module.free_port(), http_port=server_module.free_port(), metrics_port=taken)
+        with pytest.raises(ServerError, match=f"Socket '127.0.0.1:{taken}' already in use") as err:
+            fixed.start()
+        assert "exited with code" in str(err.value) and not fixed.is_running()
+        # Picked ports: the third pick (metrics) is the held one, once; start() retries on new ports.
+        picks = iter([None, None, taken])
+        real = server_module.free_port
+        monkeypatch.setattr(server_module, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+        with LocalTriton(onnx_repo, server_env=server_env) as s:
+            assert s.metrics_port != taken
+            assert port_open(s.host, s.grpc_port) is None
+            assert http_ok(f"http://{s.http_url}/v2/health/ready") is None
+            assert http_ok(s.metrics_url) is None
+            with urllib.request.urlopen(s.metrics_url, timeout=5) as r:
+                assert b"nv_inference_request_success" in r.read()
+            assert s.is_ready()
 
 
 def test_failed_start_reports_why(tmp_path, server_env, onnx_repo):

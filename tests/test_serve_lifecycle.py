@@ -23,11 +23,11 @@ import tritonclient.grpc.aio as aiogrpc
 import xgboost as xgb
 import yaml
 
-from conftest import ServeOutput
+from conftest import LocalTriton, ServeOutput
 from scorestack.compile import compile_model
 from scorestack.errors import ServerError, VerificationError
-from scorestack.serve import LocalTriton
 from scorestack.serve import server as server_module
+from scorestack.serve.readiness import wait_until
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.server import SUPERVISOR_ENV, _supervisor_tag, clean_leftovers, free_port
 from scorestack.triton_config import load_config
@@ -418,7 +418,8 @@ def test_hot_swap_under_32_concurrent_clients_drops_nothing(server_environment, 
     runner = threading.Thread(target=lambda: asyncio.run(load()))
     runner.start()
     try:
-        time.sleep(1.0)
+        # Every client answered by version 1 a few times before the swap (a bounded poll of the answers).
+        wait_until(lambda: None if all(len(r) >= 3 for r in results) else f"{sum(map(len, results))} answers so far", timeout_s=60, what="32 clients answered before the swap")
         swap = subprocess.run(
             [SCORESTACK, "compile", str(spec2), "--repository", str(repo), "--serve-url", url],
             capture_output=True,
@@ -428,7 +429,11 @@ def test_hot_swap_under_32_concurrent_clients_drops_nothing(server_environment, 
         )
         swapped_at = time.monotonic()
         print(f"hot-swap: compile + load took until {swapped_at - t0:.3f} s")
-        time.sleep(1.5)
+        if swap.returncode == 0:  # ... and a few times after it returned
+            wait_until(
+                lambda: None if all(sum(sent > swapped_at for sent, _, _ in r) >= 3 for r in results) else "some clients have no answer since the swap",
+                timeout_s=60, what="32 clients answered after the swap",
+            )
     finally:
         stop.set()
         runner.join(60)

@@ -25,7 +25,7 @@ import yaml
 from scorestack.compile import compile_model
 from scorestack.features import store
 from scorestack.demo import features as demo_features
-from scorestack.serve import LocalTriton
+from conftest import LocalTriton
 from scorestack.triton_config import load_config
 from scorestack.serve.server import free_port
 

@@ -27,7 +27,7 @@ from sklearn.preprocessing import StandardScaler
 from scorestack.compile import compile_model
 from scorestack.compile.emit import check_artifact_name
 from scorestack.errors import VerificationError
-from scorestack.serve import LocalTriton
+from conftest import LocalTriton
 from scorestack.serve.native import LIBRARY as NATIVE_LIBRARY
 
 FORMATS = ("onnx", "native", "tl2cgen", "trees", "hummingbird")

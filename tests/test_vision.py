@@ -23,7 +23,7 @@ from scorestack.compile import compile_model
 from scorestack.demo.train import VISION_MODELS, train_vision_models
 from scorestack.compile.spec import load_spec
 from scorestack.errors import OverloadedError, RequestValidationError, SpecError
-from scorestack.serve import LocalTriton
+from conftest import LocalTriton
 
 
 @pytest.fixture(scope="module")

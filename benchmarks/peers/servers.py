@@ -15,11 +15,9 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -27,6 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 from peers.model import FraudModel
+from scorestack.errors import ServerError
+from scorestack.serve.readiness import all_of, http_ok, port_open, process_exit, wait_until
 
 HERE = Path(__file__).resolve().parent
 
@@ -54,18 +54,13 @@ def _free_port() -> int:
     return free_port()
 
 
-def _wait_port(host: str, port: int, proc: subprocess.Popen | None, timeout_s: float, what: str, log: Path | None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
-            raise RuntimeError(f"{what} exited with {proc.returncode} before listening on {host}:{port}:\n{tail}")
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{what} did not listen on {host}:{port} within {timeout_s} s")
+def _wait_ready(probe, proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> None:  # noqa: ANN001 - a readiness probe
+    """Bounded wait for a peer (scorestack.serve.readiness); the log's tail when it exits or never answers."""
+    try:
+        wait_until(probe, timeout_s=timeout_s, what=what, died=process_exit(proc))
+    except ServerError as exc:
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        raise RuntimeError(f"{exc}; log {log}:\n{tail}") from None
 
 
 def _stop_proc(proc: subprocess.Popen) -> None:
@@ -129,7 +124,7 @@ def start_triton(name: str, model_dir: Path, description: str) -> Peer:
     from scorestack.serve import LocalTriton
     from scorestack.triton_config import format_config, load_config
 
-    server = LocalTriton(model_dir.parent, models=[model_dir.name], strict=True)
+    server = LocalTriton(model_dir.parent, models=[model_dir.name], strict=True, exit_timeout_s=0)
     server.start()
     meta = json.loads(urllib.request.urlopen(f"http://{server.http_url}/v2", timeout=5).read())
     cfg = load_config(model_dir / "config.pbtxt")
@@ -210,8 +205,10 @@ def start_mlserver(model: FraudModel, run_dir: Path, max_batch_size: int, max_ba
         proc = subprocess.Popen([str(env.bin / "mlserver"), "start", str(run_dir)], stdout=fh, stderr=subprocess.STDOUT,
                                 cwd=run_dir, env=penv, start_new_session=True)
     try:
-        _wait_port("127.0.0.1", ports["grpc_port"], proc, 120, "mlserver", logf)
-        _wait_ready_http(f"http://127.0.0.1:{ports['http_port']}/v2/models/fraud_xgb/ready", proc, 120, "mlserver model fraud_xgb", logf)
+        _wait_ready(
+            all_of(lambda: port_open("127.0.0.1", ports["grpc_port"]), lambda: http_ok(f"http://127.0.0.1:{ports['http_port']}/v2/models/fraud_xgb/ready")),
+            proc, 120, "mlserver model fraud_xgb", logf,
+        )
     except Exception:
         _stop_proc(proc)
         raise
@@ -222,22 +219,6 @@ def start_mlserver(model: FraudModel, run_dir: Path, max_batch_size: int, max_ba
                 "environment": {"OMP_NUM_THREADS": "1"}, "command": "mlserver start <run dir>"},
         versions=env.versions(MLSERVER_REPORTED), pids=lambda: [proc.pid], stop=lambda: _stop_proc(proc),
     )
-
-
-def _wait_ready_http(url: str, proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what}: server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-2000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError as exc:
-            last = str(exc)
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} not ready within {timeout_s} s ({last}); log {log}")
 
 
 # -- FastAPI ---------------------------------------------------------------------------------------
@@ -251,7 +232,7 @@ def start_fastapi(runtime: str, model: FraudModel, run_dir: Path, threads: int =
     with open(logf, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_ready_http(f"http://127.0.0.1:{port}/health", proc, 60, f"fastapi ({runtime})", logf)
+        _wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), proc, 60, f"fastapi ({runtime})", logf)
     except Exception:
         _stop_proc(proc)
         raise
