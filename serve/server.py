@@ -167,9 +167,29 @@ def _child_setup(parent: int | None, cpus: frozenset[int] | None):  # noqa: ANN2
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """One port free now. For several, use free_ports: a port released by one pick can be the next pick."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1", *, exclude: Collection[int] = ()) -> list[int]:
+    """`n` distinct ports free now, none in `exclude`.
+
+    Each socket stays bound until all are picked: picked and released one at a time, the kernel may
+    hand out the same port twice (seen in CI: Triton refused "HTTP and metrics at the same
+    address and port" and exited before it was ready)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            held.append(s)
+            s.bind((host, 0))
+            if s.getsockname()[1] not in exclude:
+                ports.append(s.getsockname()[1])
+        return ports
+    finally:
+        for s in held:
+            s.close()
 
 
 class LocalTriton:
@@ -501,7 +521,10 @@ class LocalTriton:
         picked += [ln.strip() for ln in lines if ln.startswith("E") and ln[1:5].isdigit() and ln.strip() not in picked]
         noise = ("CUDA", "Cuda", "cuda", "NVML", "DCGM", "GPU")
         picked = [ln for ln in picked if not any(s in ln for s in noise)]
-        return " | ".join(picked[:3])[:1500] or "no error line in the server log"
+        if not picked:  # e.g. a refused command line: Triton prints its usage, then one line saying why
+            last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+            return f"no error line in the server log; its last line: {last[:500]}" if last else "the server log is empty"
+        return " | ".join(picked[:3])[:1500]
 
     def log_tail(self, n_lines: int = 40) -> str:
         try:
@@ -515,10 +538,9 @@ class LocalTriton:
 
     # -- internals ---------------------------------------------------------------------------
     def _pick_ports(self) -> None:
-        g, h, m = self._fixed_ports
-        self.grpc_port = g or free_port(self.host)
-        self.http_port = h or free_port(self.host)
-        self.metrics_port = m or free_port(self.host)
+        fixed = [p for p in self._fixed_ports if p]
+        picked = iter(free_ports(3 - len(fixed), self.host, exclude=fixed))
+        self.grpc_port, self.http_port, self.metrics_port = (p or next(picked) for p in self._fixed_ports)
 
     def _assemble_backends(self, env: ServerEnvironment) -> Path:
         # The wheel's backends/python has no stub: pair its files with the stub for this Python.

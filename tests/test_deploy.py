@@ -724,7 +724,7 @@ def test_triton_entrypoint_restricts_the_real_tritonserver_to_the_key_file(tmp_p
     """entrypoint.sh starting the real tritonserver (the server environment's, standing in for the image's)
     with the key from a file, as compose and Kubernetes give it: the repository API refuses no key and
     the placeholder ps shows, and opens to the key; no process's command line holds the key."""
-    from scorestack.serve.server import free_port
+    from scorestack.serve.server import free_ports
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -734,7 +734,7 @@ def test_triton_entrypoint_restricts_the_real_tritonserver_to_the_key_file(tmp_p
     key_file.write_text(key.value + "\n")
     key_file.chmod(0o640)
     (tmp_path / "models").mkdir()
-    h, g, m = free_port(), free_port(), free_port()
+    h, g, m = free_ports(3)
     env = {k: v for k, v in server_environment.launch_env().items() if not k.startswith("SCORESTACK_")}
     env.update({"PATH": f"{bin_dir}:{env['PATH']}", ADMIN_KEY_FILE_ENV: str(key_file), "SCORESTACK_KEYSHIM": str(key_shim)})
     args = [

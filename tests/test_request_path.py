@@ -23,7 +23,7 @@ from scorestack.features import store
 from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
 from conftest import LocalTriton
-from scorestack.serve.server import free_port
+from scorestack.serve.server import free_ports
 
 N_USERS, N_ITEMS = 400, 600
 
@@ -70,7 +70,7 @@ def feature_repo(tmp_path_factory, redis_url):
 @pytest.fixture(scope="module")
 def triton(compiled_demo, server_environment):
     _, repository, _, _ = compiled_demo
-    ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    ports = dict(zip(("grpc_port", "http_port", "metrics_port"), free_ports(3)))
     server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb", "ranking_xgb"], **ports).start()
     yield server
     server.stop()
@@ -454,7 +454,7 @@ def test_server_healthy_after_malformed_traffic(loop, services, compiled_demo):
 
 def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, feature_repo):
     _, repository, _, _ = compiled_demo
-    ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    ports = dict(zip(("grpc_port", "http_port", "metrics_port"), free_ports(3)))
     server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **ports).start()
     client, fetcher = _open(loop, server.grpc_url, feature_repo, deadline_s=0.5, timeout_s=0.5)
     fraud = FraudService(client, fetcher, model="fraud_xgb")
@@ -482,7 +482,7 @@ def test_triton_paused_answers_within_the_deadline(loop, compiled_demo, server_e
     """A server that accepts the connection and never answers (stopped with SIGSTOP, a real fault):
     the call ends at its deadline through gRPC's own deadline, and works again once it resumes."""
     _, repository, _, _ = compiled_demo
-    server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], grpc_port=free_port(), http_port=free_port(), metrics_port=free_port()).start()
+    server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **dict(zip(("grpc_port", "http_port", "metrics_port"), free_ports(3)))).start()
 
     async def make():  # gRPC aio channels belong to the loop that made them
         return TritonClient(server.grpc_url, deadline_s=0.4)

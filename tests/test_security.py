@@ -329,7 +329,7 @@ def test_no_command_line_log_or_report_of_scorestack_holds_the_key(fraud_model, 
     key_file.chmod(0o600)
     run_dirs = tmp_path / "tmp"
     run_dirs.mkdir()
-    g, h, m = (str(p) for p in (_free(), _free(), _free()))
+    g, h, m = (str(p) for p in _free(3))
     env = dict(os.environ, TMPDIR=str(run_dirs), COLUMNS="250", SCORESTACK_KEEP_RUN_DIR="1", **{ADMIN_KEY_FILE_ENV: str(key_file)})
     env.pop(ADMIN_KEY_ENV, None)
     serve = subprocess.Popen(
@@ -372,10 +372,10 @@ def test_no_command_line_log_or_report_of_scorestack_holds_the_key(fraud_model, 
     assert not leaks, leaks
 
 
-def _free() -> int:
-    from scorestack.serve.server import free_port
+def _free(n: int) -> list[int]:
+    from scorestack.serve.server import free_ports
 
-    return free_port()
+    return free_ports(n)
 
 
 # --- the key through a pipe: never in tritonserver's command line or environment -------------------------
@@ -419,11 +419,11 @@ def test_tritonserver_restricted_by_a_key_it_never_had_on_its_command_line(serve
     """A real tritonserver, restricted through the pipe handoff: its command line and environment hold no
     key, the key opens the repository API on HTTP and gRPC, and no key or the visible placeholder do not."""
     from scorestack.serve.security import KEY_PLACEHOLDER_ENV, build_key_shim, key_handoff
-    from scorestack.serve.server import free_port
+    from scorestack.serve.server import free_ports
 
     key = AdminKey(secrets.token_urlsafe(32), "test")
     (tmp_path / "models").mkdir()
-    h, g, m = free_port(), free_port(), free_port()
+    h, g, m = free_ports(3)
     args = [
         str(server_environment.tritonserver), f"--model-repository={tmp_path / 'models'}", "--model-control-mode=explicit",
         "--http-address=127.0.0.1", f"--http-port={h}", "--grpc-address=127.0.0.1", f"--grpc-port={g}",

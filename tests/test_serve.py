@@ -300,7 +300,7 @@ def test_cpu_lists_parse():
 def test_ready_means_every_endpoint_answers_and_a_taken_metrics_port_is_retried(onnx_repo, server_env, monkeypatch):
     """Triton binds gRPC, then HTTP, then metrics last, and dies when the metrics port is taken: ready
     is every endpoint answering, so a start that returned has a metrics port that answers. The port
-    is really held by another socket; the patch only makes free_port hand out that port, as a race
+    is really held by another socket; the patch only makes free_ports hand out that port, as a race
     with another process would."""
     from scorestack.serve import server as server_module
     from scorestack.serve.readiness import http_ok, port_open
@@ -310,14 +310,23 @@ def test_ready_means_every_endpoint_answers_and_a_taken_metrics_port_is_retried(
         held.listen()
         taken = held.getsockname()[1]
         # Every port fixed: no new ports to try, and the error names the collision.
-        fixed = LocalTriton(onnx_repo, server_env=server_env, grpc_port=server_module.free_port(), http_port=server_module.free_port(), metrics_port=taken)
+        g, h = server_module.free_ports(2, exclude=[taken])
+        fixed = LocalTriton(onnx_repo, server_env=server_env, grpc_port=g, http_port=h, metrics_port=taken)
         with pytest.raises(ServerError, match=f"Socket '127.0.0.1:{taken}' already in use") as err:
             fixed.start()
         assert "exited with code" in str(err.value) and not fixed.is_running()
-        # Picked ports: the third pick (metrics) is the held one, once; start() retries on new ports.
-        picks = iter([None, None, taken])
-        real = server_module.free_port
-        monkeypatch.setattr(server_module, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+        # Picked ports: the first pick hands out the held one for metrics; start() retries on new ports.
+        real = server_module.free_ports
+        first = []
+
+        def picks(n, host="127.0.0.1", **kw):  # noqa: ANN001, ANN003, ANN202 - free_ports' own
+            got = real(n, host, **kw)
+            if not first:
+                first.append(got)
+                got[-1] = taken
+            return got
+
+        monkeypatch.setattr(server_module, "free_ports", picks)
         with LocalTriton(onnx_repo, server_env=server_env) as s:
             assert s.metrics_port != taken
             assert port_open(s.host, s.grpc_port) is None

@@ -29,7 +29,7 @@ from scorestack.errors import ServerError, VerificationError
 from scorestack.serve import server as server_module
 from scorestack.serve.readiness import wait_until
 from scorestack.serve.runtime import scorestack_runtime as rt
-from scorestack.serve.server import SUPERVISOR_ENV, _supervisor_tag, clean_leftovers, free_port
+from scorestack.serve.server import SUPERVISOR_ENV, _supervisor_tag, clean_leftovers, free_ports
 from scorestack.triton_config import load_config
 
 SCORESTACK = str(Path(sys.executable).parent / "scorestack")
@@ -275,7 +275,7 @@ def test_sigkill_of_serve_leaves_no_triton_behind(compiled_demo, server_environm
     model = _copy_model(demo_repo, "fraud_xgb", repo)
     config = model / "config.pbtxt"  # the Python backend, whose stubs are tritonserver's children
     config.write_text(re.sub(r'backend: "\w+"', 'backend: "python"', config.read_text()))
-    ports = (free_port(), free_port(), free_port())
+    ports = tuple(free_ports(3))
     proc, url, lines = _start_serve(repo, ports, tmp_path)
     try:
         assert any("ready" in ln and "fraud_xgb" in ln for ln in lines), "".join(lines)
@@ -391,7 +391,7 @@ def test_hot_swap_under_32_concurrent_clients_drops_nothing(server_environment, 
     want1, want2 = v1.predict(xgb.DMatrix(X)), v2.predict(xgb.DMatrix(X))
     assert np.abs(want1 - want2).min() > 1.0
 
-    proc, url, _ = _start_serve(repo, (free_port(), free_port(), free_port()), tmp_path)
+    proc, url, _ = _start_serve(repo, tuple(free_ports(3)), tmp_path)
     results: list[list[tuple[float, float, object]]] = [[] for _ in range(32)]
     stop = threading.Event()
 

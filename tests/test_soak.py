@@ -27,7 +27,7 @@ from scorestack.features import store
 from scorestack.demo import features as demo_features
 from conftest import LocalTriton
 from scorestack.triton_config import load_config
-from scorestack.serve.server import free_port
+from scorestack.serve.server import free_ports
 
 N_USERS = 1000
 DURATION_S, WINDOW_S = 60.0, 10.0
@@ -79,7 +79,7 @@ def soak_repository(compiled_demo, tmp_path_factory) -> Path:
 def test_soak_short_every_request_answered_and_memory_bounded(soak_repository, server_environment, feature_repo):
     soak = _load_soak()
     repository = soak_repository
-    ports = dict(grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    ports = dict(zip(("grpc_port", "http_port", "metrics_port"), free_ports(3)))
     with LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **ports) as server:
         result = soak.run_soak(DURATION_S, WINDOW_S, server=server, feature_repo=feature_repo, n_users=N_USERS, max_seconds=10.0, utilization=UTILIZATION, step_s=STEP_S)
 

@@ -184,7 +184,9 @@ def start_mlserver(model: FraudModel, run_dir: Path, max_batch_size: int, max_ba
 
     env = mlserver_env(log=log)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ports = {"http_port": _free_port(), "grpc_port": _free_port(), "metrics_port": _free_port()}
+    from scorestack.serve.server import free_ports
+
+    ports = dict(zip(("http_port", "grpc_port", "metrics_port"), free_ports(3)))
     settings = (HERE / "mlserver" / "settings.json").read_text()
     for k, v in ports.items():
         settings = settings.replace("{" + k + "}", str(v))
