@@ -13,4 +13,6 @@ if ! .venv/bin/python -c "import redis,sys; redis.Redis(host='127.0.0.1', port=6
     echo "warning: no Redis at 127.0.0.1:6379 and no redis-server binary (apt-get install redis-server): Redis tests will fail" >&2
   fi
 fi
-exec .venv/bin/python -m pytest "$@"
+# Two workers, a whole module each at a time: most of a test's wall time is waiting on servers,
+# compiles and subprocesses, so two overlap on 2 cores (tests/conftest.py orders the long modules first).
+exec .venv/bin/python -m pytest -n "${SCORESTACK_TEST_WORKERS:-2}" --dist loadfile "$@"

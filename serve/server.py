@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import glob
 import json
 import logging
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection
 
-from scorestack import GRPC_CLIENT_EXPERIMENTS
+from scorestack import GRPC_CLIENT_EXPERIMENTS, paths
 from scorestack.errors import AdminKeyError, ConfigError, ServerError
 from scorestack.serve.environment import ServerEnvironment, ensure_server_environment
 from scorestack.serve.readiness import triton_endpoints, wait_until
@@ -172,24 +173,79 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def free_ports(n: int, host: str = "127.0.0.1", *, exclude: Collection[int] = ()) -> list[int]:
-    """`n` distinct ports free now, none in `exclude`.
+    """`n` distinct ports free now, none in `exclude`, for another process to bind (e.g. the ports of a
+    `scorestack serve` a caller starts): reserved against other scorestack processes (PortReservation)
+    until this process exits. A server of this process reserves its own (LocalTriton)."""
+    reservation = PortReservation.take(n, host, exclude=exclude)
+    _KEPT.append(reservation)
+    return reservation.ports
 
-    Each socket stays bound until all are picked: picked and released one at a time, the kernel may
-    hand out the same port twice (seen in CI: Triton refused "HTTP and metrics at the same
-    address and port" and exited before it was ready)."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < n:
-            s = socket.socket()
-            held.append(s)
-            s.bind((host, 0))
-            if s.getsockname()[1] not in exclude:
-                ports.append(s.getsockname()[1])
-        return ports
-    finally:
-        for s in held:
-            s.close()
+
+_KEPT: list["PortReservation"] = []
+
+
+class PortReservation:
+    """Ports picked for one server and reserved against every other scorestack process until released.
+
+    A picked port is free only until someone binds it. Two scorestack processes starting servers at
+    once (parallel compile jobs' serving checks, parallel test workers) can be handed the same port,
+    and Triton's metrics endpoint binds with SO_REUSEPORT: a second server then *shares* the first
+    one's metrics port without an error, and scrapes reach either (measured here). Each reserved
+    port holds an exclusive lock on a file named after it under scorestack's home; other scorestack
+    processes skip locked ports, and the kernel drops the locks of a process that dies.
+    """
+
+    def __init__(self, ports: list[int], locks: list[int]) -> None:
+        self.ports = ports
+        self._locks = locks
+
+    @staticmethod
+    def directory() -> Path:
+        # Machine-wide state, like the server environment (not $TMPDIR, which callers set per run).
+        path = paths.home() / "ports"
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return path
+
+    @classmethod
+    def take(cls, n: int, host: str = "127.0.0.1", *, exclude: Collection[int] = ()) -> "PortReservation":
+        """`n` distinct ports, none in `exclude` or reserved by another scorestack process.
+
+        Each socket stays bound until all are picked: picked and released one at a time, the kernel
+        hands out the same port again (seen in CI: Triton refused "HTTP and metrics at the same
+        address and port" and exited before it was ready)."""
+        held: list[socket.socket] = []
+        ports: list[int] = []
+        locks: list[int] = []
+        folder = cls.directory()
+        try:
+            while len(ports) < n:
+                s = socket.socket()
+                held.append(s)  # stays bound until every port is picked, so none is picked twice
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+                if port in exclude:
+                    continue
+                fd = os.open(folder / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:  # reserved elsewhere: its server has it or is about to bind it
+                    os.close(fd)
+                    continue
+                locks.append(fd)
+                ports.append(port)
+        except BaseException:
+            for fd in locks:
+                os.close(fd)
+            raise
+        finally:
+            for s in held:
+                s.close()
+        return cls(ports, locks)
+
+    def release(self) -> None:
+        for fd in self._locks:
+            os.close(fd)
+        self._locks = []
 
 
 class LocalTriton:
@@ -270,6 +326,7 @@ class LocalTriton:
         # Triton's HTTP frontend speaks plaintext only: with TLS on gRPC it stays on loopback.
         self.http_host = "127.0.0.1" if tls is not None and not is_loopback(host) else host
         self.process: subprocess.Popen[bytes] | None = None
+        self._ports: PortReservation | None = None
         self.view: LocalView | None = None
         self.model_status: dict[str, ModelStatus] = {}
         self._log_file = None
@@ -393,7 +450,9 @@ class LocalTriton:
 
     def repository_index(self) -> dict[str, ModelStatus]:
         """Every model Triton knows of, with its state and Triton's reason when it is not ready."""
-        _, entries = self._http("POST", "/v2/repository/index", {})
+        code, entries = self._http("POST", "/v2/repository/index", {})
+        if code != 200 or not isinstance(entries, list):
+            raise ServerError(f"Triton at {self.http_url} answered its repository index with {code}: {str(entries)[:500]}")
         out: dict[str, dict] = {}
         for e in entries or []:
             d = out.setdefault(e["name"], {"versions": [], "reasons": [], "ready": False})
@@ -539,8 +598,15 @@ class LocalTriton:
     # -- internals ---------------------------------------------------------------------------
     def _pick_ports(self) -> None:
         fixed = [p for p in self._fixed_ports if p]
-        picked = iter(free_ports(3 - len(fixed), self.host, exclude=fixed))
+        self._release_ports()
+        self._ports = PortReservation.take(3 - len(fixed), self.host, exclude=fixed)
+        picked = iter(self._ports.ports)
         self.grpc_port, self.http_port, self.metrics_port = (p or next(picked) for p in self._fixed_ports)
+
+    def _release_ports(self) -> None:
+        if self._ports is not None:
+            self._ports.release()
+            self._ports = None
 
     def _assemble_backends(self, env: ServerEnvironment) -> Path:
         # The wheel's backends/python has no stub: pair its files with the stub for this Python.
@@ -638,6 +704,7 @@ class LocalTriton:
             self._log_file = None
 
     def _cleanup(self) -> None:
+        self._release_ports()
         # A failed load can leave shared-memory regions behind: remove this run's.
         for path in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:

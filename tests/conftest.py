@@ -21,6 +21,22 @@ from scorestack.serve.server import free_port
 
 
 
+# Modules in the order the parallel run should start them: scripts/test.sh runs two workers, each
+# taking a whole module at a time (--dist loadfile, so a module's servers and fixtures stay in one
+# process); the run ends when its last module does, so the long ones (marked slow) go first.
+_SLOW_FIRST = ("test_demo", "test_soak", "test_verified_served", "test_vision")
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201 - pytest's hook
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> int:  # noqa: ANN001
+        name = item.module.__name__
+        return _SLOW_FIRST.index(name) if name in _SLOW_FIRST else len(_SLOW_FIRST) + (name not in slow)
+
+    items.sort(key=rank)  # stable: tests keep their order inside a module
+
+
 class LocalTriton(_server.LocalTriton):
     """The real LocalTriton, stopped without a drain: a test stops its server only after its own
     requests are answered, so nothing is in flight and Triton's 1-6 s wait for its models to unload

@@ -19,6 +19,8 @@ from scorestack.demo.train import train_demo_models
 from scorestack.compile.spec import parse_spec
 from scorestack.errors import SpecError, VerificationError
 
+pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
+
 SMALL = dict(xgb_trees=40, sklearn_iters=30, ranker_trees=30, n_fraud=8000, n_queries=300)
 
 

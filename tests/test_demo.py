@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
+
 
 def test_demo_runs_end_to_end(tmp_path, server_environment):
     exe = Path(sys.executable).parent / "scorestack"

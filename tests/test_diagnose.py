@@ -31,6 +31,8 @@ from scorestack.client.server_stats import SERVER_PHASES, parse_statistics
 from scorestack.compile import compile_model
 from conftest import LocalTriton
 
+pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
+
 MODEL = "acme_risk"  # not a demo model: trained and compiled by this test
 CACHED = "acme_cached"  # the same, served with Triton's response cache
 EXE = str(Path(sys.executable).parent / "scorestack")

@@ -25,6 +25,8 @@ from scorestack.compile import compile_model
 from conftest import LocalTriton
 from scorestack.triton_config import load_config
 
+pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
+
 N_FEATURES = 20
 TOLERANCE = 1e-5
 MAX_BATCH = 1024

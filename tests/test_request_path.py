@@ -25,6 +25,8 @@ from scorestack.features.fetch import FeatureFetcher
 from conftest import LocalTriton
 from scorestack.serve.server import free_ports
 
+pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
+
 N_USERS, N_ITEMS = 400, 600
 
 

@@ -45,6 +45,8 @@ from scorestack.serve.security import (
     load_admin_key,
 )
 
+pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
+
 SCORESTACK = str(Path(sys.executable).with_name("scorestack"))
 MODEL = "fraud_tiny"
 N_USERS = 200
@@ -333,7 +335,7 @@ def test_no_command_line_log_or_report_of_scorestack_holds_the_key(fraud_model, 
     env = dict(os.environ, TMPDIR=str(run_dirs), COLUMNS="250", SCORESTACK_KEEP_RUN_DIR="1", **{ADMIN_KEY_FILE_ENV: str(key_file)})
     env.pop(ADMIN_KEY_ENV, None)
     serve = subprocess.Popen(
-        [SCORESTACK, "serve", "--repository", str(repo), "--grpc-port", g, "--http-port", h, "--metrics-port", m, "--tls-dir", str(certs["good"].directory)],
+        [SCORESTACK, "serve", "--repository", str(repo), "--grpc-port", g, "--http-port", h, "--metrics-port", m, "--tls-dir", str(certs["good"].directory), "--exit-timeout-s", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     output = ServeOutput(serve)

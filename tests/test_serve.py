@@ -300,7 +300,7 @@ def test_cpu_lists_parse():
 def test_ready_means_every_endpoint_answers_and_a_taken_metrics_port_is_retried(onnx_repo, server_env, monkeypatch):
     """Triton binds gRPC, then HTTP, then metrics last, and dies when the metrics port is taken: ready
     is every endpoint answering, so a start that returned has a metrics port that answers. The port
-    is really held by another socket; the patch only makes free_ports hand out that port, as a race
+    is really held by another socket; the patch only makes the port picker hand out that port, as a race
     with another process would."""
     from scorestack.serve import server as server_module
     from scorestack.serve.readiness import http_ok, port_open
@@ -316,25 +316,55 @@ def test_ready_means_every_endpoint_answers_and_a_taken_metrics_port_is_retried(
             fixed.start()
         assert "exited with code" in str(err.value) and not fixed.is_running()
         # Picked ports: the first pick hands out the held one for metrics; start() retries on new ports.
-        real = server_module.free_ports
-        first = []
+        real = server_module.PortReservation.take
+        picks: list[list[int]] = []
 
-        def picks(n, host="127.0.0.1", **kw):  # noqa: ANN001, ANN003, ANN202 - free_ports' own
+        def take(n, host="127.0.0.1", **kw):  # noqa: ANN001, ANN003, ANN202 - PortReservation.take's own
             got = real(n, host, **kw)
-            if not first:
-                first.append(got)
-                got[-1] = taken
+            if not picks:
+                got.ports[-1] = taken
+            picks.append(list(got.ports))
             return got
 
-        monkeypatch.setattr(server_module, "free_ports", picks)
+        monkeypatch.setattr(server_module.PortReservation, "take", take)
         with LocalTriton(onnx_repo, server_env=server_env) as s:
-            assert s.metrics_port != taken
+            assert len(picks) == 2 and picks[0][-1] == taken and s.metrics_port != taken, picks
             assert port_open(s.host, s.grpc_port) is None
             assert http_ok(f"http://{s.http_url}/v2/health/ready") is None
             assert http_ok(s.metrics_url) is None
             with urllib.request.urlopen(s.metrics_url, timeout=5) as r:
                 assert b"nv_inference_request_success" in r.read()
             assert s.is_ready()
+
+
+def test_ports_reserved_by_one_process_are_refused_to_another_until_released():
+    """Two scorestack processes starting servers at once must not pick the same port (Triton's
+    metrics endpoint would even share it): a reserved port's lock is refused to another process."""
+    import json
+    import sys
+
+    from scorestack.serve.server import PortReservation
+
+    probe = (
+        "import fcntl, json, os, sys\n"
+        "from scorestack.serve.server import PortReservation\n"
+        "got = []\n"
+        "for port in json.loads(sys.argv[1]):\n"
+        "    fd = os.open(PortReservation.directory() / str(port), os.O_RDWR)\n"
+        "    try:\n"
+        "        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); got.append(port)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(json.dumps(got))\n"
+    )
+    reservation = PortReservation.take(3)
+    ports = reservation.ports
+    assert len(set(ports)) == 3
+    held = subprocess.run([sys.executable, "-c", probe, json.dumps(ports)], capture_output=True, text=True, check=True)
+    assert json.loads(held.stdout) == []
+    reservation.release()
+    free = subprocess.run([sys.executable, "-c", probe, json.dumps(ports)], capture_output=True, text=True, check=True)
+    assert json.loads(free.stdout) == ports
 
 
 def test_failed_start_reports_why(tmp_path, server_env, onnx_repo):

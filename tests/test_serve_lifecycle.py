@@ -32,6 +32,8 @@ from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.server import SUPERVISOR_ENV, _supervisor_tag, clean_leftovers, free_ports
 from scorestack.triton_config import load_config
 
+pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
+
 SCORESTACK = str(Path(sys.executable).parent / "scorestack")
 
 
@@ -215,9 +217,16 @@ def test_a_load_of_a_render_whose_version_the_repository_dropped_fails_fast_and_
                 except grpcclient.InferenceServerException as exc:
                     outcome.append(exc)
 
+            loads_before = _loads_logged(server, "fraud_xgb")
             loader = threading.Thread(target=client_load)
             loader.start()
-            time.sleep(0.3)  # Triton has polled the old render and is creating the instances
+            # The watcher's render comes only once Triton has begun this load from the old render (its
+            # log says "loading: fraud_xgb:<version>"), or the load has already returned: a bounded
+            # poll of that, not a guess at how long Triton takes to get there.
+            wait_until(
+                lambda: None if outcome or _loads_logged(server, "fraud_xgb") > loads_before else "the client's load has not reached Triton",
+                timeout_s=60, what="the client's load under way", interval_s=0.005,
+            )
             st = server.sync()["fraud_xgb"]
             loader.join(120)
             assert outcome and "DEADLINE" not in str(outcome[0]), outcome  # it returned, either way
@@ -226,6 +235,11 @@ def test_a_load_of_a_render_whose_version_the_repository_dropped_fails_fast_and_
         finally:
             client.close()
         np.testing.assert_allclose(_infer(server.grpc_url, "fraud_xgb", X, "probability")[:, 0], want, atol=1e-5)
+
+
+def _loads_logged(server: LocalTriton, name: str) -> int:
+    """How many loads of `name` Triton has begun (its log's "loading: <name>:<version>" lines)."""
+    return server.log_path.read_text(errors="replace").count(f'"loading: {name}:')
 
 
 # --- the server dies with its supervisor ------------------------------------------------------------
@@ -256,7 +270,7 @@ def _start_serve(repo: Path, ports: tuple[int, int, int], tmp: Path) -> tuple[su
     g, h, m = ports
     env = dict(os.environ, TMPDIR=str(tmp), COLUMNS="250")
     proc = subprocess.Popen(
-        [SCORESTACK, "serve", "--repository", str(repo), "--grpc-port", str(g), "--http-port", str(h), "--metrics-port", str(m)],
+        [SCORESTACK, "serve", "--repository", str(repo), "--grpc-port", str(g), "--http-port", str(h), "--metrics-port", str(m), "--exit-timeout-s", "0"],  # stopped after its traffic
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -30,6 +30,8 @@ from scorestack.errors import VerificationError
 from conftest import LocalTriton
 from scorestack.serve.native import LIBRARY as NATIVE_LIBRARY
 
+pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
+
 FORMATS = ("onnx", "native", "tl2cgen", "trees", "hummingbird")
 N_FEATURES = 6
 TOLERANCE = 1e-5

@@ -25,6 +25,8 @@ from scorestack.compile.spec import load_spec
 from scorestack.errors import OverloadedError, RequestValidationError, SpecError
 from conftest import LocalTriton
 
+pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> tuple[Path, Path, dict[str, dict]]:
