@@ -249,23 +249,35 @@ OPEN_FRACTIONS = (0.5, 0.8)  # of the closed-loop maximum (64 callers)
 OPEN_SECONDS = 3.0
 
 
-async def closed_rate(send, concurrency: int, n: int) -> float:
-    """Requests served per second by `concurrency` callers sending `n` requests in all (failures not counted)."""
-    served = 0
+async def closed_send(send, concurrency: int, n: int) -> dict:
+    """`concurrency` callers sending `n` requests in all through `send(i)`: requests served per second,
+    latency percentiles of the served ones, and how many failed (InferenceError / ServerError)."""
+    lat: list[float] = []
+    failed = 0
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
-        nonlocal served
+        nonlocal failed
         async with sem:
+            t = time.perf_counter()
             try:
                 await send(i)
-                served += 1
             except (InferenceError, ServerError):
-                pass
+                failed += 1
+                return
+            lat.append((time.perf_counter() - t) * 1e3)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(n)))
-    return served / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    a = np.asarray(lat) if lat else np.asarray([np.nan])
+    return {"rate": len(lat) / wall, "served": len(lat), "failed": failed, "p50_ms": float(np.percentile(a, 50)),
+            "p99_ms": float(np.percentile(a, 99)), "wall_s": wall}
+
+
+async def closed_rate(send, concurrency: int, n: int) -> float:
+    """Requests served per second by `concurrency` callers sending `n` requests in all (failures not counted)."""
+    return (await closed_send(send, concurrency, n))["rate"]
 
 
 async def open_loop(triton: TritonClient, model: str, send, rate: float, seconds: float, rng: np.random.Generator) -> dict:

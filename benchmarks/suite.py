@@ -35,7 +35,10 @@ from peers import servers  # noqa: E402
 from peers.model import prepare  # noqa: E402
 
 RESULTS = HERE / "results"
-TARGETS = ("scorestack", "scorestack_nobatch", "scorestack_python", "triton_cache_floor", "mlserver", "fastapi_onnxruntime", "fastapi_xgboost")
+# FastAPI peers: `fastapi_<runtime>` is the async endpoint on 1 worker (the strongest honest
+# single-process service); `_sync` the threadpool endpoint users also write; `_w2` two workers.
+FASTAPI_TARGETS = tuple(f"fastapi_{rt}{v}" for rt in ("onnxruntime", "xgboost") for v in ("", "_w2", "_sync"))
+TARGETS = ("scorestack", "scorestack_nobatch", "scorestack_python", "triton_cache_floor", "mlserver", *FASTAPI_TARGETS)
 DESCRIPTIONS = {
     "scorestack": "scorestack: compiled fraud model in the local Triton, derived dynamic batching, KServe v2 gRPC",
     "scorestack_nobatch": "the same model folder with the dynamic_batching block removed, KServe v2 gRPC",
@@ -87,8 +90,10 @@ def start_peers(model, run_dir: Path, names: tuple[str, ...]) -> tuple[dict, dic
                 # that MLServer turns batching off at max_batch_time 0: then 200 µs (scorestack's earlier derived delay).
                 peer = servers.start_mlserver(model, run_dir / "mlserver", int(triton.get("max_batch_size", 64)),
                                               int(triton.get("max_queue_delay_us") or MLSERVER_MIN_BATCH_TIME_US), log=log)
-            elif name in ("fastapi_onnxruntime", "fastapi_xgboost"):
-                peer = servers.start_fastapi(name.split("_", 1)[1], model, run_dir)
+            elif name in FASTAPI_TARGETS:
+                runtime = name.split("_")[1]
+                peer = servers.start_fastapi(runtime, model, run_dir, endpoint="sync" if name.endswith("_sync") else "async",
+                                             workers=2 if name.endswith("_w2") else 1)
             else:
                 raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
         except Exception as exc:  # noqa: BLE001 - the comparison runs without it and says why

@@ -14,5 +14,6 @@ if ! .venv/bin/python -c "import redis,sys; redis.Redis(host='127.0.0.1', port=6
   fi
 fi
 # Two workers, a whole module each at a time: most of a test's wall time is waiting on servers,
-# compiles and subprocesses, so two overlap on 2 cores (tests/conftest.py orders the long modules first).
-exec .venv/bin/python -m pytest -n "${SCORESTACK_TEST_WORKERS:-2}" --dist loadfile "$@"
+# compiles and subprocesses, so two overlap on 2 cores. Modules start in the order tests/conftest.py
+# gives (the long ones first), not xdist's default (most tests first).
+exec .venv/bin/python -m pytest -n "${SCORESTACK_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -145,6 +146,47 @@ def test_ranking_order_equals_source_ranker(loop, services, compiled_demo, featu
     np.testing.assert_allclose([got[c] for c in candidates], want, atol=1e-5)
     assert result.item_ids == want_order
     assert np.all(np.diff(result.scores) <= 0)
+
+
+@pytest.fixture(scope="module")
+def handwritten(compiled_demo, feature_repo, tmp_path_factory):
+    """The services a user would write without scorestack (benchmarks/peers/handwritten.py): Feast's
+    SDK on the same Redis, the models as ONNX (compiled and verified by scorestack) in onnxruntime."""
+    import sys
+
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from peers.handwritten import HandWrittenFraud, HandWrittenRanking
+    from peers.model import compiled_onnx
+
+    specs, work = compiled_demo[2], tmp_path_factory.mktemp("handwritten")
+    return HandWrittenFraud(feature_repo, compiled_onnx(specs["fraud_xgb"], work)), HandWrittenRanking(feature_repo, compiled_onnx(specs["ranking_xgb"], work))
+
+
+def test_the_hand_written_services_score_what_scorestack_scores(loop, services, handwritten, compiled_demo):
+    """The benchmark's end-to-end peers are only a fair comparison if they compute the same thing:
+    the same vector in the same order, the same probability (<= 1e-4) and the same ranking."""
+    _, _, fraud, ranking = services
+    hand_fraud, hand_ranking = handwritten
+    source = _source(compiled_demo[2], "fraud_xgb")
+    for i, user in enumerate([3, 11, 58, 200, 321]):  # users no other test writes to
+        txn = _transaction(i, user)
+        ours = loop.run_until_complete(fraud.score(txn))
+        vector = hand_fraud.features(txn)[0]
+        np.testing.assert_array_equal(vector, ours.features)
+        theirs = hand_fraud.score(txn)
+        theirs_async = loop.run_until_complete(hand_fraud.score_async(txn))
+        assert abs(theirs - ours.probability) <= 1e-4 and abs(theirs_async - ours.probability) <= 1e-4, (user, theirs, theirs_async, ours.probability)
+        assert abs(theirs - float(source.predict(vector[None, :]).ravel()[0])) <= 1e-5
+    loop.run_until_complete(hand_fraud.close())
+    candidates = list(range(1, 501))
+    ctx = _context(3)
+    ranked = loop.run_until_complete(ranking.rank(17, candidates, ctx))
+    theirs = hand_ranking.scores(17, candidates, ctx)
+    got = dict(zip(ranked.item_ids, ranked.scores))
+    np.testing.assert_allclose([got[c] for c in candidates], theirs, atol=1e-4)
+    assert ranked.item_ids == [candidates[i] for i in np.argsort(-theirs, kind="stable")]
 
 
 def test_scored_transaction_moves_the_next_velocity(loop, services, feature_repo):

@@ -34,7 +34,7 @@ def prepare(workspace: Path, recompile: bool = False) -> FraudModel:
     model_dir = repository / "fraud_xgb"
     return FraudModel(
         xgb_json=workspace / "models" / "fraud_xgb.json",
-        onnx=_served_onnx(model_dir) or _compiled_onnx(specs["fraud_xgb"], workspace, recompile),
+        onnx=_served_onnx(model_dir) or compiled_onnx(specs["fraud_xgb"], workspace, recompile),
         model_dir=model_dir,
         features=tuple(schema.FRAUD_FEATURES),
         report=json.loads((model_dir / "report.json").read_text()) if (model_dir / "report.json").exists() else {},
@@ -50,23 +50,29 @@ def _served_onnx(model_dir: Path) -> Path | None:
     return onnx[0] if onnx else None
 
 
-def _compiled_onnx(spec_path: Path, workspace: Path, recompile: bool) -> Path:
+def compiled_onnx(spec_path: Path, workspace: Path, recompile: bool = False) -> Path:
     """The same model compiled to ONNX alone (verified like every candidate), for the FastAPI +
-    onnxruntime peer, when the served version holds no ONNX artifact (e.g. the tree kernel alone)."""
+    onnxruntime peer and the hand-written services, when the served version holds no ONNX artifact
+    (e.g. the tree kernel alone)."""
     import yaml
 
     from scorestack.compile import compile_model
 
     spec = yaml.safe_load(spec_path.read_text())
-    spec.update(name="fraud_xgb_onnx", formats=["onnx"])
+    name = f"{spec['name']}_onnx"
+    spec.update(name=name, formats=["onnx"])
     spec.setdefault("serving", {})["dispatch"] = False
-    derived = spec_path.with_name("fraud_xgb_onnx.yaml")
+    # Written into the workspace, the spec's files resolved against the original spec's folder.
+    spec["source"]["path"] = str((spec_path.parent / spec["source"]["path"]).resolve())
+    spec["holdout"] = str((spec_path.parent / spec["holdout"]).resolve())
+    workspace.mkdir(parents=True, exist_ok=True)
+    derived = workspace / f"{name}.yaml"
     derived.write_text(yaml.safe_dump(spec))
     repository = workspace / "onnx_repository"
     compile_model(derived, repository, force=recompile, serve_check=False)
-    onnx = _served_onnx(repository / "fraud_xgb_onnx")
+    onnx = _served_onnx(repository / name)
     if onnx is None:
-        raise FileNotFoundError(f"{repository / 'fraud_xgb_onnx'}: compiling the fraud model to ONNX wrote no .onnx artifact")
+        raise FileNotFoundError(f"{repository / name}: compiling the model to ONNX wrote no .onnx artifact")
     return onnx
 
 

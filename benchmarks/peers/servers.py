@@ -224,31 +224,45 @@ def start_mlserver(model: FraudModel, run_dir: Path, max_batch_size: int, max_ba
 
 
 # -- FastAPI ---------------------------------------------------------------------------------------
-def start_fastapi(runtime: str, model: FraudModel, run_dir: Path, threads: int = 1) -> Peer:
+def start_fastapi(runtime: str, model: FraudModel, run_dir: Path, threads: int = 1, endpoint: str = "async", workers: int = 1) -> Peer:
+    """FastAPI + uvicorn serving the fraud model (benchmarks/peers/fastapi_app.py): `endpoint` "async"
+    (the strongest honest configuration) or "sync" (pydantic models, run in Starlette's threadpool)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     path = model.xgb_json if runtime == "xgboost" else model.onnx
     cmd = [sys.executable, str(HERE / "fastapi_app.py"), "--runtime", runtime, "--model", str(path), "--features",
-           str(len(model.features)), "--threads", str(threads), "--port", str(port)]
-    logf = run_dir / f"fastapi_{runtime}.log"
+           str(len(model.features)), "--threads", str(threads), "--endpoint", endpoint, "--workers", str(workers), "--port", str(port)]
+    logf = run_dir / f"fastapi_{runtime}_{endpoint}_w{workers}.log"
     with open(logf, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), proc, 60, f"fastapi ({runtime})", logf)
+        _wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), proc, 60, f"fastapi ({runtime}, {endpoint}, {workers} workers)", logf)
     except Exception:
         _stop_proc(proc)
         raise
     lib = "xgboost-cpu" if runtime == "xgboost" else "onnxruntime"
+    call = f"Booster.inplace_predict, nthread={threads}" if runtime == "xgboost" else f"InferenceSession.run (CPUExecutionProvider), intra_op_num_threads={threads}, inter_op_num_threads=1"
+    style = ("async def endpoint, body parsed with json.loads, model called on the event loop, plain dict returned" if endpoint == "async"
+             else "def endpoint with pydantic request/response models (run in Starlette's threadpool)")
+    name = f"fastapi_{runtime}" + ("_sync" if endpoint == "sync" else "") + (f"_w{workers}" if workers > 1 else "")
+
+    def pids() -> list[int]:  # uvicorn's supervisor and its worker processes
+        import psutil
+
+        try:
+            return [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        except psutil.NoSuchProcess:
+            return [proc.pid]
+
     return Peer(
-        name=f"fastapi_{runtime}", protocol="http", address=f"127.0.0.1:{port}", model="/predict", input_name="features",
-        description=f"FastAPI + uvicorn (1 worker) + {'XGBoost predict_proba' if runtime == 'xgboost' else 'onnxruntime'} per request, HTTP/1.1 JSON",
-        config={"command": " ".join(Path(c).name if c.startswith("/") else c for c in cmd[1:]), "workers": 1, "access_log": False,
-                "model": Path(path).name,
-                "runtime_options": f"XGBClassifier.load_model, n_jobs={threads}" if runtime == "xgboost"
-                else f"InferenceSession(CPUExecutionProvider), intra_op_num_threads={threads}, inter_op_num_threads=1",
-                "request": 'POST /predict {"features": [30 floats]} (pydantic) -> {"probability": p}'},
+        name=name, protocol="http", address=f"127.0.0.1:{port}", model="/predict", input_name="features",
+        description=f"FastAPI + uvicorn ({workers} worker{'s' if workers > 1 else ''}, uvloop + httptools), {endpoint} endpoint, "
+        f"{'XGBoost' if runtime == 'xgboost' else 'onnxruntime'} per request, HTTP/1.1 JSON",
+        config={"command": " ".join(Path(c).name if c.startswith("/") else c for c in cmd[1:]), "workers": workers, "access_log": False,
+                "loop": "uvloop", "http": "httptools", "model": Path(path).name, "runtime_options": call, "endpoint": style,
+                "request": 'POST /predict {"features": [30 floats]} -> {"probability": p}'},
         versions=_pkg_versions(("fastapi", "uvicorn", "pydantic", "uvloop", "httptools", lib, "numpy")),
-        pids=lambda: [proc.pid], stop=lambda: _stop_proc(proc),
+        pids=pids, stop=lambda: _stop_proc(proc),
     )
 
 

@@ -1,0 +1,247 @@
+"""The whole fraud (and ranking) request against the service a user would write without scorestack.
+
+    .venv/bin/python benchmarks/bench_e2e.py [--rounds 3] [--quick]
+
+Three fraud services in one process each, on the same Redis online store and the same model:
+- scorestack: `FraudService` (the fetch layer's direct Redis read, the model in the local Triton over gRPC);
+- hand-written, sync: `feast.FeatureStore.get_online_features` + onnxruntime in-process (1 thread),
+  concurrent callers on threads (what a sync service does);
+- hand-written, async: `get_online_features_async` + onnxruntime, concurrent callers as tasks.
+Their scores are checked equal first (|Δp| <= 1e-4 on 200 transactions; the run stops otherwise).
+Closed loops at 1, 16 and 64 callers, interleaved rounds (the order turns each round), medians and
+ranges; the machine's CPU per score at concurrency 1 (every process: client, Triton, Redis). Ranking:
+1 user x 500 items at concurrency 1, `RankingService` against two Feast reads + onnxruntime.
+Results: benchmarks/results/e2e.json and e2e.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_request_path import closed_send, cpu_model, git_commit  # noqa: E402 - benchmarks/ is not a package
+from peers.handwritten import HandWrittenFraud, HandWrittenRanking  # noqa: E402
+from peers.model import compiled_onnx  # noqa: E402
+
+from scorestack import paths  # noqa: E402
+from scorestack.client.fraud import FraudService  # noqa: E402
+from scorestack.client.ranking import RankingService  # noqa: E402
+from scorestack.client.triton import TritonClient  # noqa: E402
+from scorestack.compile import compile_model  # noqa: E402
+from scorestack.demo import data as demo_data  # noqa: E402
+from scorestack.demo.features import init_repo  # noqa: E402
+from scorestack.demo.train import train_demo_models  # noqa: E402
+from scorestack.features import store  # noqa: E402
+from scorestack.features.fetch import FeatureFetcher  # noqa: E402
+from scorestack.serve import LocalTriton  # noqa: E402
+
+RESULTS = HERE / "results"
+SYSTEMS = ("scorestack", "handwritten_sync", "handwritten_async")
+LABELS = {
+    "scorestack": "scorestack fraud path (direct Redis read + Triton over gRPC)",
+    "handwritten_sync": "hand-written: Feast get_online_features + onnxruntime, threads",
+    "handwritten_async": "hand-written: Feast get_online_features_async + onnxruntime, tasks",
+}
+REQUESTS = {1: 1000, 16: 2000, 64: 3000}
+N_USERS = 5000
+
+
+def _transactions(n: int, rng: np.random.Generator) -> list[dict]:
+    fields = demo_data.make_fraud_requests(n, seed=3)
+    return [{"user_id": int(rng.integers(1, N_USERS + 1)), **{k: float(v) for k, v in fields.iloc[i].items()}} for i in range(n)]
+
+
+async def check_agreement(fraud: FraudService, hand: HandWrittenFraud, txns: list[dict]) -> float:
+    worst = 0.0
+    for t in txns:
+        ours = (await fraud.score(t)).probability
+        worst = max(worst, abs(hand.score(t) - ours), abs(await hand.score_async(t) - ours))
+    return worst
+
+
+def _machine_cpu_s() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.system + getattr(t, "softirq", 0.0) + getattr(t, "irq", 0.0)
+
+
+async def measure_system(name: str, fraud: FraudService, hand: HandWrittenFraud, txns: list[dict], scale: int) -> dict:
+    out = {}
+    for conc, n in REQUESTS.items():
+        n = max(50, n // scale)
+        if name == "scorestack":
+            async def send(i: int) -> None:
+                await fraud.score(txns[i % len(txns)])
+        elif name == "handwritten_async":
+            async def send(i: int) -> None:
+                await hand.score_async(txns[i % len(txns)])
+        else:
+            pool = ThreadPoolExecutor(conc)
+            loop = asyncio.get_running_loop()
+
+            async def send(i: int) -> None:
+                await loop.run_in_executor(pool, hand.score, txns[i % len(txns)])
+        for i in range(min(100, n)):  # warm-up
+            await send(i)
+        cpu0 = _machine_cpu_s()
+        point = await closed_send(send, conc, n)
+        point["machine_cpu_ms_per_score"] = (_machine_cpu_s() - cpu0) * 1e3 / max(point["served"], 1)
+        out[f"c{conc}"] = point
+        if name == "handwritten_sync":
+            pool.shutdown()
+        print(f"  {name} c{conc}: p50 {point['p50_ms']:.3f} p99 {point['p99_ms']:.3f} ms, {point['rate']:,.0f}/s, "
+              f"CPU {point['machine_cpu_ms_per_score']:.2f} ms/score, failed {point['failed']}", flush=True)
+    return out
+
+
+async def measure_ranking(ranking: RankingService, hand: HandWrittenRanking, n: int, rng: np.random.Generator) -> dict:
+    ctx = {k: float(v) for k, v in demo_data.make_ranking_context(1, seed=4).iloc[0].items()}
+    out: dict[str, list[float]] = {"scorestack": [], "handwritten_sync": []}
+    plans = [(int(rng.integers(1, N_USERS + 1)), rng.choice(np.arange(1, 2001), 500, replace=False).tolist()) for _ in range(n)]
+    for user, items in plans[:3]:  # warm-up: both read every item once
+        await ranking.rank(user, items, ctx)
+        hand.scores(user, items, ctx)
+    for k, (user, items) in enumerate(plans):
+        for who in (("scorestack", "handwritten_sync") if k % 2 == 0 else ("handwritten_sync", "scorestack")):
+            t = time.perf_counter()
+            if who == "scorestack":
+                await ranking.rank(user, items, ctx)
+            else:
+                hand.scores(user, items, ctx)
+            out[who].append((time.perf_counter() - t) * 1e3)
+    return {k: {"p50_ms": float(np.percentile(v, 50)), "p99_ms": float(np.percentile(v, 99)), "n": len(v)} for k, v in out.items()}
+
+
+async def run_round(grpc_url: str, repo: Path, onnx: dict[str, Path], r: int, scale: int, n_rank: int) -> dict:
+    rng = np.random.default_rng(r)
+    txns = _transactions(2000, rng)
+    hand = HandWrittenFraud(repo, onnx["fraud_xgb"])
+    hand_rank = HandWrittenRanking(repo, onnx["ranking_xgb"])
+    out: dict = {"round": r}
+    async with TritonClient(grpc_url, deadline_s=5.0) as triton, FeatureFetcher.from_repo(repo, timeout_s=0.05) as fetcher:
+        fraud = FraudService(triton, fetcher)
+        if r == 0:
+            out["max_abs_diff"] = await check_agreement(fraud, hand, txns[:200])
+            print(f"  agreement: max |Δp| {out['max_abs_diff']:.2e} over 200 transactions", flush=True)
+            if out["max_abs_diff"] > 1e-4:
+                raise SystemExit(f"the hand-written service scores differently (max |Δp| {out['max_abs_diff']:.2e} > 1e-4): not a fair peer")
+        order = SYSTEMS[r % 3:] + SYSTEMS[: r % 3]
+        out["order"] = list(order)
+        for name in order:
+            out[name] = await measure_system(name, fraud, hand, txns, scale)
+        out["ranking_500"] = await measure_ranking(RankingService(triton, fetcher, max_candidates=1000), hand_rank, n_rank, rng)
+        print("  ranking 1x500: " + "; ".join(f"{k} p50 {v['p50_ms']:.2f} p99 {v['p99_ms']:.2f}" for k, v in out["ranking_500"].items()), flush=True)
+    await hand.close()
+    return out
+
+
+def summarize(rounds: list[dict]) -> dict:
+    out: dict = {}
+    for name in SYSTEMS:
+        out[name] = {}
+        for c in REQUESTS:
+            pts = [r[name][f"c{c}"] for r in rounds]
+            out[name][f"c{c}"] = {k: statistics.median(p[k] for p in pts) for k in ("p50_ms", "p99_ms", "rate", "machine_cpu_ms_per_score")}
+            out[name][f"c{c}"]["rate_range"] = [min(p["rate"] for p in pts), max(p["rate"] for p in pts)]
+            out[name][f"c{c}"]["p50_range"] = [min(p["p50_ms"] for p in pts), max(p["p50_ms"] for p in pts)]
+            out[name][f"c{c}"]["failed"] = sum(p["failed"] for p in pts)
+    out["ranking_500"] = {k: {q: statistics.median(r["ranking_500"][k][q] for r in rounds) for q in ("p50_ms", "p99_ms")} for k in ("scorestack", "handwritten_sync")}
+    return out
+
+
+def goals(s: dict) -> list[dict]:
+    ours = s["scorestack"]
+    rows = []
+    best_c1 = min(("handwritten_sync", "handwritten_async"), key=lambda k: s[k]["c1"]["p50_ms"])
+    peer = s[best_c1]["c1"]
+    ratio = peer["p50_ms"] / ours["c1"]["p50_ms"]
+    rows.append({"target": f"c1: >= 1.5x faster p50 than the faster hand-written service ({best_c1}), p99 no worse",
+                 "met": ratio >= 1.5 and ours["c1"]["p99_ms"] <= peer["p99_ms"],
+                 "measured": f"p50 {ours['c1']['p50_ms']:.3f} vs {peer['p50_ms']:.3f} ms = {ratio:.2f}x; p99 {ours['c1']['p99_ms']:.3f} vs {peer['p99_ms']:.3f} ms"})
+    for c in (16, 64):
+        best = max(("handwritten_sync", "handwritten_async"), key=lambda k: s[k][f"c{c}"]["rate"])
+        p = s[best][f"c{c}"]
+        ratio = ours[f"c{c}"]["rate"] / p["rate"]
+        rows.append({"target": f"c{c}: >= 3x the req/s of the stronger hand-written service ({best}) at an equal or better p99",
+                     "met": ratio >= 3 and ours[f"c{c}"]["p99_ms"] <= p["p99_ms"],
+                     "measured": f"{ours[f'c{c}']['rate']:,.0f} vs {p['rate']:,.0f} req/s = {ratio:.2f}x; p99 {ours[f'c{c}']['p99_ms']:.2f} vs {p['p99_ms']:.2f} ms"})
+    rk = s["ranking_500"]
+    ratio = rk["handwritten_sync"]["p50_ms"] / rk["scorestack"]["p50_ms"]
+    rows.append({"target": "ranking 1 user x 500 items at c1: >= 2x faster p50", "met": ratio >= 2,
+                 "measured": f"p50 {rk['scorestack']['p50_ms']:.2f} vs {rk['handwritten_sync']['p50_ms']:.2f} ms = {ratio:.2f}x"})
+    return rows
+
+
+def render(result: dict) -> str:
+    s, m = result["summary"], result["machine"]
+    lines = ["# The whole request against the service a user would write", "",
+             f"Run {m['date']} ({'quick' if m['quick'] else 'full'}, {len(result['rounds'])} interleaved rounds, {m['seconds']} s), "
+             f"{m['cpus']} cores, {m['cpu_model']}, commit {m['commit']}. Same Redis, same model, one process per service; "
+             f"scores checked equal first: max |Δp| {result['rounds'][0]['max_abs_diff']:.1e} over 200 transactions. "
+             "Medians over rounds, ranges in brackets.", "",
+             "| service | c1 p50 / p99 ms | c1 machine CPU ms/score | c16 req/s (p99 ms) | c64 req/s (p99 ms) | failed |",
+             "|---|---|---|---|---|---|"]
+    for name in SYSTEMS:
+        p = s[name]
+        lines.append(f"| {LABELS[name]} | {p['c1']['p50_ms']:.3f} / {p['c1']['p99_ms']:.3f} [{p['c1']['p50_range'][0]:.3f}–{p['c1']['p50_range'][1]:.3f}] | "
+                     f"{p['c1']['machine_cpu_ms_per_score']:.2f} | {p['c16']['rate']:,.0f} ({p['c16']['p99_ms']:.1f}) | "
+                     f"{p['c64']['rate']:,.0f} [{p['c64']['rate_range'][0]:,.0f}–{p['c64']['rate_range'][1]:,.0f}] ({p['c64']['p99_ms']:.1f}) | "
+                     f"{sum(p[f'c{c}']['failed'] for c in REQUESTS)} |")
+    rk = s["ranking_500"]
+    lines += ["", f"Ranking, 1 user x 500 items, concurrency 1: scorestack p50 {rk['scorestack']['p50_ms']:.2f} / p99 {rk['scorestack']['p99_ms']:.2f} ms; "
+              f"hand-written (two Feast reads + onnxruntime) p50 {rk['handwritten_sync']['p50_ms']:.2f} / p99 {rk['handwritten_sync']['p99_ms']:.2f} ms.", "",
+              "## Goals (issue: faster than the service a user would write)", "", "| target | met | measured |", "|---|---|---|"]
+    lines += [f"| {g['target']} | {'met' if g['met'] else '**missed**'} | {g['measured']} |" for g in result["goals"]]
+    lines += ["", "Not measured yet: the open loop at 50% / 80% of each service's maximum."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a quarter of the requests (a smoke run, not for the results)")
+    ap.add_argument("--ranking-requests", type=int, default=40)
+    ap.add_argument("--out", default="e2e")
+    args = ap.parse_args()
+    t0 = time.time()
+    ws = paths.workspace()
+    specs = {p.stem: p for p in train_demo_models(ws / "models")}
+    repository = ws / "model_repository"
+    for name in ("fraud_xgb", "ranking_xgb"):
+        compile_model(specs[name], repository)
+    onnx = {name: compiled_onnx(specs[name], ws / "bench_e2e") for name in ("fraud_xgb", "ranking_xgb")}
+    repo = ws / "feature_repo_e2e"
+    init_repo(repo, online="redis", redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), n_users=N_USERS, project="bench_e2e")
+    store.apply(repo)
+    store.materialize(repo)
+    scale = 4 if args.quick else 1
+    rounds = []
+    with LocalTriton(repository, models=["fraud_xgb", "ranking_xgb"], exit_timeout_s=0) as server:
+        for r in range(args.rounds):
+            print(f"round {r}", flush=True)
+            rounds.append(asyncio.run(run_round(server.grpc_url, repo, onnx, r, scale, max(4, args.ranking_requests // scale))))
+    summary = summarize(rounds)
+    result = {"rounds": rounds, "summary": summary, "goals": goals(summary), "machine": {
+        "cpus": os.cpu_count(), "cpu_model": cpu_model(), "seconds": round(time.time() - t0, 1), "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick}}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
+    text = render(result)
+    (RESULTS / f"{args.out}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
