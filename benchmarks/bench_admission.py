@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 RESULTS = HERE / "results"
 POLICIES = ("none", "fixed", "adaptive")  # "adaptive:T" (--policies) sets the adaptive target to T ms
@@ -114,7 +114,7 @@ async def _drive(url: str, model: str, rows: np.ndarray, per_request: int, polic
             "client_cpu_cores": cpu / (warmup_s + duration_s), "admission": state}
 
 
-def _driver_main(conn, cpus) -> None:  # noqa: ANN001 - a multiprocessing Connection
+def _driver_main(conn, cpus) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
     while True:
@@ -123,7 +123,7 @@ def _driver_main(conn, cpus) -> None:  # noqa: ANN001 - a multiprocessing Connec
             return
         try:
             conn.send(asyncio.run(_drive(**job)))
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, which records it
+        except Exception as exc:  # reported to the parent, which records it
             conn.send(exc)
 
 

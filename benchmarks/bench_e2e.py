@@ -32,21 +32,21 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_request_path import closed_send, cpu_model, git_commit  # noqa: E402 - benchmarks/ is not a package
-from peers.handwritten import HandWrittenFraud, HandWrittenRanking  # noqa: E402
-from peers.model import compiled_onnx  # noqa: E402
+from bench_request_path import closed_send, cpu_model, git_commit
+from peers.handwritten import HandWrittenFraud, HandWrittenRanking
+from peers.model import compiled_onnx
 
-from scorestack import paths  # noqa: E402
-from scorestack.client.fraud import FraudService  # noqa: E402
-from scorestack.client.ranking import RankingService  # noqa: E402
-from scorestack.client.triton import TritonClient  # noqa: E402
-from scorestack.compile import compile_model  # noqa: E402
-from scorestack.demo import data as demo_data  # noqa: E402
-from scorestack.demo.features import init_repo  # noqa: E402
-from scorestack.demo.train import train_demo_models  # noqa: E402
-from scorestack.features import store  # noqa: E402
-from scorestack.features.fetch import FeatureFetcher  # noqa: E402
-from scorestack.serve import LocalTriton  # noqa: E402
+from scorestack import paths
+from scorestack.client.fraud import FraudService
+from scorestack.client.ranking import RankingService
+from scorestack.client.triton import TritonClient
+from scorestack.compile import compile_model
+from scorestack.demo import data as demo_data
+from scorestack.demo.features import init_repo
+from scorestack.demo.train import train_demo_models
+from scorestack.features import store
+from scorestack.features.fetch import FeatureFetcher
+from scorestack.serve import LocalTriton
 
 RESULTS = HERE / "results"
 SYSTEMS = ("scorestack", "handwritten_sync", "handwritten_async")
@@ -91,7 +91,7 @@ async def measure_system(name: str, fraud: FraudService, hand: HandWrittenFraud,
             pool = ThreadPoolExecutor(conc)
             loop = asyncio.get_running_loop()
 
-            async def send(i: int) -> None:
+            async def send(i: int, loop=loop, pool=pool) -> None:
                 await loop.run_in_executor(pool, hand.score, txns[i % len(txns)])
         for i in range(min(100, n)):  # warm-up
             await send(i)

@@ -29,12 +29,12 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import loadgen  # noqa: E402
-import suite  # noqa: E402
-from peers import servers  # noqa: E402
-from peers.model import prepare  # noqa: E402
+import loadgen
+import suite
+from peers import servers
+from peers.model import prepare
 
 RESULTS = HERE / "results"
 STALL_MS = 400.0  # an answer this slow waited for the batcher's 500 ms timer (the model runs in < 1 ms)

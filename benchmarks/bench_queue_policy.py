@@ -37,11 +37,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_request_path import cpu_model, git_commit, start_server  # noqa: E402
+from bench_request_path import cpu_model, git_commit, start_server
 
-from scorestack import paths  # noqa: E402
-from scorestack.client.triton import TritonClient  # noqa: E402
-from scorestack.errors import OverloadedError  # noqa: E402
+from scorestack import paths
+from scorestack.client.triton import TritonClient
+from scorestack.errors import OverloadedError
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "ranking_xgb"

@@ -54,7 +54,7 @@ from scorestack.features.fetch import FeatureFetcher
 from scorestack.serve import LocalTriton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import default_window_label  # noqa: E402 - benchmarks/report.py: the same rule as REPORT.md's target table
+from report import default_window_label
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -193,7 +193,7 @@ def variant_repository(src: Path, root: Path, delay_us: int, instances: int) -> 
 
 def served_settings(folder: Path) -> dict:
     cfg = (folder / "config.pbtxt").read_text()
-    grab = lambda key: int(m.group(1)) if (m := re.search(rf"{key}: (\d+)", cfg)) else 0  # noqa: E731
+    grab = lambda key: int(m.group(1)) if (m := re.search(rf"{key}: (\d+)", cfg)) else 0
     return {"max_queue_delay_us": grab("max_queue_delay_microseconds"), "instances": grab("count"),
             "default_timeout_us": grab("default_timeout_microseconds"), "max_queue_size": grab("max_queue_size")}
 
@@ -433,7 +433,7 @@ def summarize_paths(result: dict) -> dict:
     for key, runs in (result.get("paths") or {}).items():
         fraud = [r.get("fraud") or {} for r in runs]
 
-        def pick(point: str, field: str) -> list[float] | None:
+        def pick(point: str, field: str, fraud: list = fraud) -> list[float] | None:
             return _rng([f[point][field] for f in fraud if point in f and field in f[point]])
 
         ranking = [r.get("ranking") or {} for r in runs]
@@ -453,7 +453,7 @@ def render_history(history: list[dict]) -> list[str]:
     """The run-to-run table: this machine's noise, shown rather than averaged away."""
     if not history:
         return []
-    fmt = lambda r: "–" if not r else f"{r[0]:.2f}-{r[1]:.2f}"  # noqa: E731
+    fmt = lambda r: "–" if not r else f"{r[0]:.2f}-{r[1]:.2f}"
     lines = ["## Run to run (this run first, then earlier runs kept in this file, newest first): ranges over rounds", "",
              "| run | commit | machine | path | fraud c1 p50 / p99 ms | c16 p50 ms | c64 p50 ms | open 50% / 80% p99 ms | ranking rejected (default window) | 1 x 500 p99 ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -474,7 +474,7 @@ def git_commit() -> str:
 
 
 def render(result: dict) -> str:
-    fmt = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
+    fmt = lambda x: "–" if x is None else f"{x:.2f}"
     m = result["machine"]
     lines = ["# Request path (local Triton, Redis features, demo models)", "",
              f"{m['cpus']} CPUs ({m['cpu_model']}), {m['platform']}, commit {m['commit']}, {m['date']}; load average before/after: "

@@ -101,7 +101,7 @@ def bench_model(spec_path: Path, work: Path, rounds: int) -> dict:
         }
     inputs = {b: np.ascontiguousarray(np.resize(X, (b, *X.shape[1:]))) for b in BATCHES}
     samples = {name: {b: [] for b in BATCHES} for name in variants}
-    for name, (fn, _, _) in variants.items():  # warm-up
+    for fn, _, _ in variants.values():  # warm-up
         for b in BATCHES:
             fn(inputs[b])
     order = list(variants)

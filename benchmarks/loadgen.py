@@ -247,7 +247,7 @@ class _GrpcSender:
             try:
                 raw = await call(self.target.payloads[0], timeout=min(self.timeout, 10.0))
                 break
-            except Exception as exc:  # noqa: BLE001 - reported to the caller with the server's words
+            except Exception as exc:  # reported to the caller with the server's words
                 kind, text = self.classify(exc)
                 # A queue-policy rejection means "busy", not "misconfigured": try again shortly.
                 if kind != "rejected" or attempt == 9:
@@ -272,10 +272,10 @@ class _HttpConnection(asyncio.Protocol):
         self.status = 0
         self.lost: Exception | None = None
 
-    def connection_made(self, transport) -> None:  # noqa: ANN001
+    def connection_made(self, transport) -> None:
         self.transport = transport
 
-    def connection_lost(self, exc) -> None:  # noqa: ANN001
+    def connection_lost(self, exc) -> None:
         self.lost = exc or ConnectionResetError("connection closed by the server")
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(self.lost)
@@ -375,7 +375,7 @@ class _HttpSender:
         try:
             conn = await self._connect()
             status, body = await asyncio.wait_for(conn.request(self.target.payloads[0]), min(self.timeout, 10.0))
-        except Exception as exc:  # noqa: BLE001 - reported with its reason
+        except Exception as exc:  # reported with its reason
             return "%s: %s" % self.classify(exc)
         self.idle.append(conn)
         if status != 200:
@@ -413,7 +413,7 @@ async def _one(sender, rec: _Recorder, i: int, t_sched: float, counted: bool) ->
         await sender.send(i)
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # noqa: BLE001 - every failure is counted by kind
+    except Exception as exc:  # every failure is counted by kind
         if counted:
             kind, text = sender.classify(exc)
             rec.errors[kind] = rec.errors.get(kind, 0) + 1
@@ -508,7 +508,7 @@ async def _run_job(job: Job) -> WorkerResult:
         await sender.close()
 
 
-def _worker_main(conn, cpus: list[int] | None) -> None:  # noqa: ANN001 - a multiprocessing Connection
+def _worker_main(conn, cpus: list[int] | None) -> None:
     # gRPC's older client poller, as scorestack's clients use it (scorestack/__init__.py): read when
     # grpc is first imported, which in this spawned process happens after this line.
     os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client")
@@ -527,7 +527,7 @@ def _worker_main(conn, cpus: list[int] | None) -> None:  # noqa: ANN001 - a mult
             return
         try:
             conn.send(asyncio.run(_run_job(job)))
-        except Exception as exc:  # noqa: BLE001 - sent back to the parent, which raises it with the target's name
+        except Exception as exc:  # sent back to the parent, which raises it with the target's name
             conn.send(exc)
 
 

@@ -39,7 +39,7 @@ PERF_ANALYZER_NOTE = (
 )
 
 
-def _f(x, fmt: str = "{:.2f}") -> str:  # noqa: ANN001
+def _f(x, fmt: str = "{:.2f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
@@ -241,7 +241,7 @@ def evaluate_request_path(data: dict) -> list[dict]:
     the target judged on the worst round (p50 and p99 of every round must meet it)."""
     rows: list[dict] = []
     p50_target, p99_target = E2E_FRAUD_C1
-    for placement, runs in (data.get("paths") or {}).items():
+    for _placement, runs in (data.get("paths") or {}).items():
         if not runs:
             continue
         cpus = runs[0].get("cpus") or {}
@@ -427,7 +427,7 @@ def _plots(data: dict) -> list[tuple[str, str]]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.NullLocator below
+    import matplotlib.ticker
 
     plots, base = _PLOT_DIR["dir"], _PLOT_DIR["base"]
     plots.mkdir(parents=True, exist_ok=True)

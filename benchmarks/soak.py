@@ -246,7 +246,7 @@ async def closed_loop(send: Send, concurrency: int, seconds: float) -> dict[str,
             try:
                 await send()
                 ok += 1
-            except Exception as exc:  # noqa: BLE001 - counted by class, the point of the measurement
+            except Exception as exc:  # counted by class, the point of the measurement
                 errors[type(exc).__name__] += 1
                 samples.setdefault(type(exc).__name__, _message(exc))
 
@@ -372,7 +372,7 @@ async def open_loop(
             if result.degraded:
                 acc.degraded += 1
             acc.add_latency((time.monotonic() - due) * 1e3)
-        except Exception as exc:  # noqa: BLE001 - every failure is counted by class, none is lost
+        except Exception as exc:  # every failure is counted by class, none is lost
             acc.errors[type(exc).__name__] += 1
             error_samples.setdefault(type(exc).__name__, _message(exc))
         finally:
@@ -437,13 +437,13 @@ async def open_loop(
 # --- the client processes -------------------------------------------------------------------------
 
 
-def _client_main(conn, settings: dict[str, Any]) -> None:  # noqa: ANN001 - a multiprocessing Connection
+def _client_main(conn, settings: dict[str, Any]) -> None:
     """A client process: its own event loop, Triton client, feature fetcher and fraud service, which
     runs the load commands its parent sends (a fraud service scales out the same way, by processes)."""
     asyncio.run(_client_serve(conn, settings))
 
 
-async def _client_serve(conn, s: dict[str, Any]) -> None:  # noqa: ANN001
+async def _client_serve(conn, s: dict[str, Any]) -> None:
     # Transactions and users drawn once: the request loop should cost the request path, not numpy.
     rng = np.random.default_rng(s["seed"])
     transactions = [{k: float(v) for k, v in row.items()} for _, row in demo_data.make_fraud_requests(2000, seed=3 + s["seed"]).iterrows()]
@@ -479,7 +479,7 @@ async def _client_serve(conn, s: dict[str, Any]) -> None:  # noqa: ANN001
                 else:
                     raise ValueError(f"unknown command {kind!r}")
                 conn.send(("ok", result))
-            except Exception as exc:  # noqa: BLE001 - sent back to the parent, which raises it
+            except Exception as exc:  # sent back to the parent, which raises it
                 conn.send(("error", _message(exc)))
 
 
@@ -506,7 +506,7 @@ class ClientPool:
     def n(self) -> int:
         return len(self._procs)
 
-    def _recv(self, conn, timeout_s: float) -> tuple[str, Any]:  # noqa: ANN001
+    def _recv(self, conn, timeout_s: float) -> tuple[str, Any]:
         if not conn.poll(timeout_s):
             raise RuntimeError(f"a soak client did not answer within {timeout_s:.0f} s")
         status, value = conn.recv()
@@ -783,7 +783,7 @@ def _ms(x: float | None) -> str:
 def verdict_lines(result: dict[str, Any]) -> list[str]:
     v = result["verdict"]
     c = v["checks"]
-    word = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
+    word = lambda ok: "PASS" if ok else "FAIL"
     base = f"window {v['memory_baseline_window']}"
     return [
         f"{word(c['errors'])}  errors: {v['total_errors']} (threshold {MAX_ERRORS})",

@@ -27,12 +27,12 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # loadgen, peers, report live beside this file
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import loadgen  # noqa: E402
-import report  # noqa: E402
-from peers import servers  # noqa: E402
-from peers.model import prepare  # noqa: E402
+import loadgen
+import report
+from peers import servers
+from peers.model import prepare
 
 RESULTS = HERE / "results"
 # FastAPI peers: `fastapi_<runtime>` is the async endpoint on 1 worker (the strongest honest
@@ -96,7 +96,7 @@ def start_peers(model, run_dir: Path, names: tuple[str, ...]) -> tuple[dict, dic
                                              workers=2 if name.endswith("_w2") else 1)
             else:
                 raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
-        except Exception as exc:  # noqa: BLE001 - the comparison runs without it and says why
+        except Exception as exc:  # the comparison runs without it and says why
             failed[name] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
             log(f"  {name} did not start: {failed[name][:300]}")
             continue
@@ -289,11 +289,11 @@ def summarize_runs(runs: list[dict]) -> dict:
         groups.setdefault(key, []).append(r)
     out: dict = {}
     for (target, mode, point), rs in groups.items():
-        def med(k):  # noqa: ANN001, ANN202
+        def med(k, rs=rs):
             vals = [r[k] for r in rs if r.get(k) is not None and not (isinstance(r[k], float) and np.isnan(r[k]))]
             return statistics.median(vals) if vals else None
 
-        def rng(k):  # noqa: ANN001, ANN202
+        def rng(k, rs=rs):
             vals = [r[k] for r in rs if r.get(k) is not None]
             return [min(vals), max(vals)] if vals else None
 
@@ -313,7 +313,7 @@ def summarize_runs(runs: list[dict]) -> dict:
                       "triton_avg_request_ms": statistics.median(in_server) if in_server else None,
                       "triton_avg_queue_ms": statistics.median(in_queue) if in_queue else None})
         out.setdefault(target, {"closed": {}, "open": {}})[mode][str(point)] = entry
-    for target, modes in out.items():
+    for modes in out.values():
         caps = [v["throughput"] for v in modes["closed"].values() if v["throughput"]]
         modes["capacity"] = max(caps) if caps else None
     return out
@@ -324,7 +324,7 @@ def _stop_on_sigterm() -> None:
     # (peers stopped, the quiet marker released) instead of leaving its servers running.
     import signal
 
-    def handler(signum, frame):  # noqa: ANN001, ARG001
+    def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
@@ -403,7 +403,7 @@ def release_quiet(path: Path) -> None:
         path.unlink()
 
 
-def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, cpus, started_at, waited) -> int:  # noqa: ANN001, PLR0913
+def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, cpus, started_at, waited) -> int:
     data: dict = {
         "name": "peers", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["benchmarks/suite.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -444,7 +444,7 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
     total = rounds * len(order) * (len(concurrencies) + len(fractions))
     done = 0
 
-    def gen_factory(**kw) -> loadgen.LoadGenerator:  # noqa: ANN003
+    def gen_factory(**kw) -> loadgen.LoadGenerator:
         return loadgen.LoadGenerator(args.workers, cpus, **kw)
 
     try:
@@ -488,7 +488,7 @@ def _run(args, argv, rounds, duration, warmup, names, concurrencies, fractions, 
         for name, peer in peers.items():
             try:
                 peer.stop()
-            except Exception as exc:  # noqa: BLE001 - stopping the others matters more
+            except Exception as exc:  # stopping the others matters more
                 log(f"stopping {name}: {exc}")
     data["load_after"] = loadavg()
     data["seconds"] = round(time.time() - started_at, 1)

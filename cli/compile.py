@@ -41,7 +41,7 @@ def compile_command(
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as progress:
         overall = progress.add_task(f"compiling into {repo}", total=len(specs))
 
-        def on_update(spec: str, result) -> None:  # noqa: ANN001
+        def on_update(spec: str, result) -> None:
             if result is None:
                 progress.console.log(f"[cyan]start[/] {spec}")
                 return

@@ -22,16 +22,17 @@ DEFAULT_WINDOW_S = 10.0  # passive, when neither --window nor anything to replay
 def diagnose(
     url: str = typer.Option(..., "--url", help="Triton gRPC address, e.g. 127.0.0.1:8001."),
     models: list[str] = typer.Option([], "--model", "-m", help="Model to diagnose (repeat for several; default: every ready model)."),
-    window: Optional[float] = typer.Option(None, "--window", help=f"Passive: watch S seconds of live traffic and send nothing (the default, for {DEFAULT_WINDOW_S:g} s, when no --model, --rows or replay flag is given)."),
+    window: Optional[float] = typer.Option(None, "--window", help=f"Passive: watch S seconds of live traffic and send nothing (the default, for {DEFAULT_WINDOW_S:g} s, unless --replay is given)."),
+    replay: bool = typer.Option(False, "--replay", help="Active: send traffic, replaying rows into each --model at --concurrency or --rate (default rows: the held-out rows its compile report points to). Without it, nothing is sent."),
     client_metrics: Optional[str] = typer.Option(
         None, "--client-metrics", help="The request path's Prometheus endpoint (client/metrics.py), joined with Triton's statistics over the window (passive)."
     ),
     metrics_url: Optional[str] = typer.Option(None, "--metrics-url", help="Triton's metrics endpoint (e.g. http://127.0.0.1:8002/metrics): failures by reason, queue-policy rejections."),
-    rows: Optional[Path] = typer.Option(None, "--rows", help="Active: replay array X of this .npz (default: the held-out rows the model's compile report points to)."),
-    requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Active: requests to replay per model (default 500)."),
-    concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Active: requests in flight (closed loop; default 1)."),
-    rate: Optional[float] = typer.Option(None, "--rate", min=0.001, help="Active: requests per second (open loop) instead of a concurrency."),
-    rows_per_request: int = typer.Option(1, "--rows-per-request", min=1, help="Active: rows in each replayed request."),
+    rows: Optional[Path] = typer.Option(None, "--rows", help="With --replay: replay array X of this .npz (default: the held-out rows the model's compile report points to)."),
+    requests: Optional[int] = typer.Option(None, "--requests", min=1, help="With --replay: requests to replay per model (default 500)."),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="With --replay: requests in flight (closed loop; default 1)."),
+    rate: Optional[float] = typer.Option(None, "--rate", min=0.001, help="With --replay: requests per second (open loop) instead of a concurrency."),
+    rows_per_request: Optional[int] = typer.Option(None, "--rows-per-request", min=1, help="With --replay: rows in each replayed request (default 1)."),
     repository: Optional[Path] = typer.Option(None, "--repository", "-r", help="Model repository with the compile reports (default ./model_repository)."),
     save_stats: Optional[Path] = typer.Option(None, "--save-stats", help="Save the window's Triton statistics here, for `scorestack compile --batch-profile` (default ./.scorestack/diagnose-stats.json)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
@@ -43,7 +44,7 @@ def diagnose(
 
     Passive (the default; --window S, else 10 s): watch Triton's statistics over live traffic on every ready model (or each --model), sending nothing; with --client-metrics, join the request path's exported phases for an end-to-end breakdown.
 
-    Active (--model, --rows, --requests, --concurrency or --rate, without --window): replay rows at --concurrency or --rate. The demo's own fraud and ranking traffic is `scorestack demo diagnose`.
+    Active (only with --replay): replay rows into each --model at --concurrency or --rate (--rows, --requests, --rows-per-request). The demo's own fraud and ranking traffic is `scorestack demo diagnose`.
 
     Triton's statistics API may be restricted: the admin key comes from SCORESTACK_ADMIN_KEY or SCORESTACK_ADMIN_KEY_FILE, never from the command line."""
     from rich.console import Console
@@ -55,13 +56,15 @@ def diagnose(
 
     # No wrapping: messages stay one line each, for logs and for whoever reads them by line.
     err = Console(stderr=True, soft_wrap=True)
-    active_flags = {"--rows": rows, "--requests": requests, "--concurrency": concurrency, "--rate": rate}
+    replay_settings = {"--rows": rows, "--requests": requests, "--concurrency": concurrency, "--rate": rate, "--rows-per-request": rows_per_request}
+    given = [k for k, v in replay_settings.items() if v is not None]
     watching = window is not None or client_metrics is not None
-    # Traffic is sent only when asked for: a model or rows to replay, or a replay setting, and no window.
-    replaying = not watching and (bool(models) or any(v is not None for v in active_flags.values()))
-    if watching and any(v is not None for v in active_flags.values()):
-        given = [k for k, v in active_flags.items() if v is not None]
-        raise typer.BadParameter(f"{', '.join(given)} replay traffic; --window watches live traffic and sends nothing: drop one", param_hint="--window")
+    # Traffic is sent only when --replay asks for it; naming a model alone watches that model.
+    if given and not replay:
+        raise typer.BadParameter(f"{', '.join(given)} set how to replay traffic: add --replay to send it (without --replay, diagnose watches live traffic and sends nothing)", param_hint="--replay")
+    if replay and watching:
+        raise typer.BadParameter("--replay sends traffic; --window and --client-metrics watch live traffic and send nothing: drop one", param_hint="--replay")
+    replaying = replay
     if rate is not None and concurrency is not None:
         raise typer.BadParameter("give --rate (open loop) or --concurrency (closed loop), not both", param_hint="--rate")
     if window is not None and window <= 0:
@@ -83,7 +86,7 @@ def diagnose(
 
         result = asyncio.run(dg.watch(target, window, client_metrics=client_metrics, on_start=started))
     else:
-        result = asyncio.run(_replay_all(target, rows, requests or 500, concurrency or 1, rate, rows_per_request, err))
+        result = asyncio.run(_replay_all(target, rows, requests or 500, concurrency or 1, rate, rows_per_request or 1, err))
     if json_out:
         print(json.dumps(dg.to_json(result, url=url, stats_file=str(stats_file)), indent=1))
     else:
@@ -91,7 +94,7 @@ def diagnose(
         print(f"window statistics saved to {stats_file} (for scorestack compile --batch-profile)")
 
 
-async def _replay_all(target, rows: Path | None, requests: int, concurrency: int, rate: float | None, rows_per_request: int, err) -> list:  # noqa: ANN001
+async def _replay_all(target, rows: Path | None, requests: int, concurrency: int, rate: float | None, rows_per_request: int, err) -> list:
     from rich.markup import escape
 
     from scorestack.client import replay as rp
@@ -99,7 +102,7 @@ async def _replay_all(target, rows: Path | None, requests: int, concurrency: int
 
     models = list(target.models)
     if not models:
-        raise BadInvocation("--rows, --requests, --concurrency and --rate replay rows into a served model: name it with --model M (or drop them to watch live traffic)")
+        raise BadInvocation("--replay sends rows into a served model: name it with --model M (or drop --replay to watch live traffic)")
     out = []
     for model in models:
         if rows is not None:

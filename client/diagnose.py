@@ -129,9 +129,9 @@ def breakdown(
     n = len(timings)
     if n == 0:
         raise ValueError("breakdown needs at least one request")
-    mean = lambda key: float(np.mean([t.get(key, 0.0) for t in timings]))  # noqa: E731
+    mean = lambda key: float(np.mean([t.get(key, 0.0) for t in timings]))
     served = max(after.success_count - before.success_count, 1)
-    per_call = lambda ns: (ns / served) / 1e6  # noqa: E731 - ms per Triton request
+    per_call = lambda ns: (ns / served) / 1e6
     queue = per_call(after.queue_ns - before.queue_ns)
     compute = per_call(
         (after.compute_input_ns - before.compute_input_ns)

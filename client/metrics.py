@@ -77,7 +77,7 @@ class RequestMetrics:
         for phase in PHASES:
             self._child(phase)
 
-    def _child(self, phase: str):  # noqa: ANN202 - a prometheus_client child
+    def _child(self, phase: str):
         child = self._children.get(phase)
         if child is None:
             if not _PHASE_NAME.match(phase):
@@ -98,7 +98,7 @@ class RequestMetrics:
             self._child(phase).observe(value / 1e3)
 
 
-def serve(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1"):  # noqa: ANN201 - (server, thread)
+def serve(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1"):
     """Serve `registry` at http://addr:port/metrics from a daemon thread; returns (server, thread).
 
     Binds loopback by default (metrics name services and models); stop with `server.shutdown()`.

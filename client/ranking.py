@@ -127,7 +127,7 @@ class RankingService(ScoringPath):
         )
 
     @staticmethod
-    def default_window(info) -> int:  # noqa: ANN001 - a client.triton.ModelInfo
+    def default_window(info) -> int:
         """Chunks in flight by default: one less than the model's instances (at least 1), so one instance is always
         waiting for the batcher; 0 (every chunk at once) when the model has no queue timeout."""
         return max(1, info.instances - 1) if info.queue_timeout_us > 0 else 0

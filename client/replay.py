@@ -124,5 +124,5 @@ async def replay(
         return diagnose_model("replay", delta, window, ctx, client=client, client_phases={}, failures=failure_delta(fail_before, read_failures(target), model))
 
 
-async def _model_statistics(triton, model: str) -> ModelStats:  # noqa: ANN001 - a TritonClient
+async def _model_statistics(triton, model: str) -> ModelStats:
     return (await read_statistics(triton, [model]))[model]

@@ -67,7 +67,7 @@ class VisionService:
         return Classification(classes, probabilities, len(chunks), sum(r.attempts for r in results), timings)
 
 
-def _image_shape(info) -> tuple[int, ...]:  # noqa: ANN001 - a ModelInfo
+def _image_shape(info) -> tuple[int, ...]:
     for t in info.inputs:
         if t.name == schema.IMAGE_INPUT_TENSOR:
             if t.datatype != "UINT8":

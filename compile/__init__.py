@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 from scorestack._lazy import lazy_exports
 
-if TYPE_CHECKING:  # imports stay lazy: `scorestack --help` must not load XGBoost and ONNX
-    from .jobs import JobResult, compile_many
-    from .pipeline import compile_model
-    from .report import CompileReport
-    from .spec import ModelSpec, load_spec
+if TYPE_CHECKING:  # (re-exported: `name as name`); imports stay lazy: `scorestack --help` must not load XGBoost and ONNX
+    from .jobs import JobResult as JobResult, compile_many as compile_many
+    from .pipeline import compile_model as compile_model
+    from .report import CompileReport as CompileReport
+    from .spec import ModelSpec as ModelSpec, load_spec as load_spec
 
 _EXPORTS = {
     name: f"{__name__}.{module}"

@@ -23,8 +23,8 @@ OPT_BATCH = 64
 
 def _import_tensorrt():
     try:
-        import tensorrt as trt  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - stub wheels fail with OSError/ImportError alike
+        import tensorrt as trt
+    except Exception as exc:  # stub wheels fail with OSError/ImportError alike
         raise Skip(f"tensorrt not installed ({type(exc).__name__}: {exc})") from None
     return trt
 
@@ -67,7 +67,7 @@ for _family in ("xgboost", "sklearn-trees", "sklearn"):
 VISION_OPT_BATCH = 8
 
 
-def _calibrator(trt, images: np.ndarray, batch: int, cache: Path):  # noqa: ANN001 - the tensorrt module
+def _calibrator(trt, images: np.ndarray, batch: int, cache: Path):
     """An entropy calibrator (TensorRT's IInt8EntropyCalibrator2) fed the calibration images from GPU buffers."""
     import torch
 
@@ -81,17 +81,17 @@ def _calibrator(trt, images: np.ndarray, batch: int, cache: Path):  # noqa: ANN0
         def get_batch_size(self) -> int:
             return int(len(self.batches[0]))
 
-        def get_batch(self, names):  # noqa: ANN001, ANN201 - TensorRT's signature
+        def get_batch(self, names):
             if self.i >= len(self.batches):
                 return None
             self.device = torch.from_numpy(np.ascontiguousarray(self.batches[self.i])).cuda()
             self.i += 1
             return [int(self.device.data_ptr())]
 
-        def read_calibration_cache(self):  # noqa: ANN201
+        def read_calibration_cache(self):
             return cache.read_bytes() if cache.exists() else None
 
-        def write_calibration_cache(self, data) -> None:  # noqa: ANN001
+        def write_calibration_cache(self, data) -> None:
             cache.write_bytes(bytes(data))
 
     return Calibrator()
@@ -195,7 +195,7 @@ def ort_tensorrt_available() -> str | None:
     options.log_severity_level = 4
     try:
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["TensorrtExecutionProvider", "CPUExecutionProvider"])
-    except Exception as exc:  # noqa: BLE001 - a provider that fails to load raises various errors
+    except Exception as exc:  # a provider that fails to load raises various errors
         return f"onnxruntime's TensorrtExecutionProvider failed to start ({type(exc).__name__}: {exc})"
     if "TensorrtExecutionProvider" not in session.get_providers():
         return "onnxruntime lists TensorrtExecutionProvider but fell back to CPU (no GPU, or the TensorRT/CUDA libraries are missing)"

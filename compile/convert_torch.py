@@ -63,7 +63,7 @@ def _torchscript_graph(source: SourceModel, path: Path):  # -> onnx.ModelProto
     return onnx.load(str(path))
 
 
-def _export_onnx_source(source: SourceModel, path: Path, model=None) -> None:  # noqa: ANN001 - an onnx.ModelProto
+def _export_onnx_source(source: SourceModel, path: Path, model=None) -> None:
     """Prepend the preprocessing graph (exported from the same torch module) to the source ONNX graph and append the softmax."""
     import onnx
     import torch
@@ -181,7 +181,7 @@ def quantize_int8(fp32: Path, out: Path, calibration: np.ndarray) -> list[str]:
     prepared = out.with_name("prepared.onnx")
     try:
         quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=False)
-    except Exception:  # noqa: BLE001 - pre-processing is an optimization; quantize the graph as it is
+    except Exception:  # pre-processing is an optimization; quantize the graph as it is
         shutil.copy2(fp32, prepared)
     reference = _argmax(fp32, calibration)
     preprocessing, stem = _fp32_regions(prepared)
@@ -259,7 +259,7 @@ def _fp32_regions(path: Path) -> tuple[list[str], list[str]]:
     return preprocessing, stem
 
 
-def _swap(graph, relu, pool) -> None:  # noqa: ANN001 - onnx GraphProto and NodeProtos
+def _swap(graph, relu, pool) -> None:
     """x -> Relu -> m -> MaxPool -> y  becomes  x -> MaxPool -> m -> Relu -> y (same values)."""
     x, mid, y = relu.input[0], relu.output[0], pool.output[0]
     pool.input[0], pool.output[0], relu.input[0], relu.output[0] = x, mid, mid, y

@@ -44,7 +44,7 @@ def _spec_name(spec: Path) -> str:
         data = yaml.safe_load(spec.read_text())
         if isinstance(data, dict) and isinstance(data.get("name"), str):
             return data["name"]
-    except Exception:  # noqa: BLE001 - the name is only a label here
+    except Exception:  # the name is only a label here
         pass
     return spec.stem
 
@@ -59,7 +59,7 @@ def run_one(spec: str | Path, repository: str | Path, force: bool = False, serve
         report = compile_model(spec, repository, force=force, serve_check=serve_check, batch_profile=batch_profile)
     except ScorestackError as exc:
         return JobResult(str(spec), _spec_name(spec), "failed", round(time.perf_counter() - t0, 2), error=str(exc))
-    except Exception as exc:  # noqa: BLE001 - reported with its traceback tail, the batch goes on
+    except Exception as exc:  # reported with its traceback tail, the batch goes on
         tail = "".join(traceback.format_exception(exc)[-3:]).strip()
         return JobResult(str(spec), _spec_name(spec), "failed", round(time.perf_counter() - t0, 2), error=f"{type(exc).__name__}: {exc}\n{tail}")
     return JobResult(

@@ -112,10 +112,10 @@ def load_source(spec: ModelSpec, source: str) -> SourceModel:
             obj = joblib.load(path)
         else:
             with open(path, "rb") as fh:
-                obj = pickle.load(fh)  # noqa: S301 - the spec marks this file trusted
+                obj = pickle.load(fh)
     except SpecError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any library error means "this file is not a loadable model"
+    except Exception as exc:  # any library error means "this file is not a loadable model"
         raise SpecError(
             f"spec {source}: field `source.path`: cannot load {path.name} as {fmt}: {type(exc).__name__}: {_library_message(exc)}; "
             "check that the file is complete and that `source.format` matches it"

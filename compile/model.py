@@ -13,6 +13,8 @@ class SourceModel:
     """A loaded model, its family (the registry key) and its reference predictions in the tensor contract.
 
     `model` is an `xgboost.Booster` for the xgboost family and a fitted estimator for sklearn families.
+    Image models are `compile.vision.VisionSource`, which owns their predict path (this module
+    imports nothing of vision's: the dependency goes one way).
     """
 
     name: str
@@ -24,19 +26,15 @@ class SourceModel:
     objective: str | None = None
     description: str = ""
     history: list[str] = field(default_factory=list)  # passes applied ("pruned to 120 trees", ...)
-    image: Any = None  # image-classification: the spec's ImageSpec (wire layout and folded preprocessing)
+    image: Any = None  # None here; compile.vision.VisionSource holds the spec's ImageSpec
     cache: dict[str, Any] = field(default_factory=dict, repr=False)  # e.g. an ONNX source's inference session
 
     @property
     def framework(self) -> str:
-        if self.image is not None:
-            return "torch" if self.family != "onnx-vision" else "onnx"
         return "xgboost" if self.family == "xgboost" else "sklearn"
 
     @property
     def n_trees(self) -> int | None:
-        if self.image is not None:
-            return None
         if self.family == "xgboost":
             per_round = self.n_classes if self.task == "multiclass" and self.n_classes else 1
             return int(self.model.num_boosted_rounds()) * per_round
@@ -49,11 +47,7 @@ class SourceModel:
         return None
 
     def predict(self, X: np.ndarray) -> np.ndarray:
-        """Reference scores through the library's standard predict path: [n, 1] (or [n, k] for multiclass and images)."""
-        if self.image is not None:
-            from .vision import predict
-
-            return predict(self, X)
+        """Reference scores through the library's standard predict path: [n, 1] (or [n, k] for multiclass)."""
         X = np.ascontiguousarray(X, dtype=np.float32)
         if self.family == "xgboost":
             import xgboost as xgb

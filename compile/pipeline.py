@@ -73,7 +73,7 @@ def versions(model_dir: Path) -> list[int]:
 _BINDING_PARAMS = (rt.PARAM_RUNTIME, rt.PARAM_ARTIFACT, rt.PARAM_DISPATCH, rt.PARAM_OUTPUT_COLUMN, rt.PARAM_METHOD)
 
 
-def _binding(cfg) -> dict[str, object]:  # noqa: ANN001 - a ModelConfig
+def _binding(cfg) -> dict[str, object]:
     out: dict[str, object] = {
         "backend": cfg.backend or cfg.platform,
         "default_model_filename": cfg.default_model_filename,
@@ -89,7 +89,7 @@ def retired_root(repository: Path) -> Path:
     return repository.parent / f".{repository.name}.retired"
 
 
-def _to_retire(dest: Path, new_cfg, repository: Path, version: int) -> list[RetiredVersion]:  # noqa: ANN001
+def _to_retire(dest: Path, new_cfg, repository: Path, version: int) -> list[RetiredVersion]:
     """The versions in `dest` that the new config cannot serve (Triton applies one config.pbtxt to
     every version it loads: an older version of another format would fail to load, and with it the model)."""
     old_config = dest / "config.pbtxt"
@@ -98,7 +98,7 @@ def _to_retire(dest: Path, new_cfg, repository: Path, version: int) -> list[Reti
         return []
     try:
         old = load_config(old_config)
-    except Exception as exc:  # noqa: BLE001 - an unreadable config binds nothing we can check
+    except Exception as exc:  # an unreadable config binds nothing we can check
         why = f"its config.pbtxt could not be read ({exc})"
     else:
         before, after = _binding(old), _binding(new_cfg)
@@ -110,7 +110,7 @@ def _to_retire(dest: Path, new_cfg, repository: Path, version: int) -> list[Reti
     return [RetiredVersion(version=v, reason=why, moved_to=str(retired_root(repository) / dest.name / f"{v}-{stamp}")) for v in existing]
 
 
-def _install(staged: Path, dest: Path, version: int, keep: int, retire: list[RetiredVersion] = ()) -> None:  # noqa: B006 - read only
+def _install(staged: Path, dest: Path, version: int, keep: int, retire: list[RetiredVersion] = ()) -> None:
     """Add the staged version to `dest` with renames only (a reader never sees a half-written model),
     move the versions the new config cannot serve out of the repository (each with the config that
     served it, a model folder of its own that can be put back), then drop versions beyond the newest `keep`."""
@@ -279,7 +279,7 @@ def _candidate(
     except registry.Skip as exc:
         # A skipped format is reported once, for the source model, not again for each variant.
         return None if variant else CandidateReport(format=label, status="skipped", reason=str(exc))
-    except Exception as exc:  # noqa: BLE001 - a converter's failure rejects that candidate, not the compile
+    except Exception as exc:  # a converter's failure rejects that candidate, not the compile
         return CandidateReport(format=label, status="failed", variant=variant or None, reason=f"conversion failed: {type(exc).__name__}: {exc}"[:500], convert_s=time.perf_counter() - t0)
     rep = CandidateReport(
         format=label,
@@ -297,7 +297,7 @@ def _candidate(
         rep.reason = f"does not load in the server environment: {exc}"[:700]
         return rep
     key = _key(label, spec.threads[0])
-    execute = lambda X, sizes: worker.execute(key, X, sizes)  # noqa: E731
+    execute = lambda X, sizes: worker.execute(key, X, sizes)
     if spec.is_vision and source_accuracy is not None:
         v = verify.verify_images(
             execute, reference, holdout, exact=art.exact, tolerance=spec.verification.tolerance, source_accuracy=source_accuracy,
@@ -394,7 +394,7 @@ def _dispatch(
     except WorkerError as exc:
         rep.status, rep.reason = "rejected", f"does not load in the server environment: {exc}"[:700]
         return rep, None, threads
-    def execute(X, sizes):  # noqa: ANN001, ANN202 - verify's Execute
+    def execute(X, sizes):
         return worker.execute(key, X, sizes)
 
     v = verify.verify(execute, model.predict(holdout.X), holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows)

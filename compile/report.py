@@ -299,7 +299,7 @@ def render_markdown(r: CompileReport) -> str:
     else:
         lines += ["| pass | accepted | metric | source | result | drop | budget | trees | reason |", "|---|---|---|---|---|---|---|---|---|"]
         for p in r.passes:
-            f = lambda v: "–" if v is None else f"{v:.4f}"  # noqa: E731
+            f = lambda v: "–" if v is None else f"{v:.4f}"
             lines.append(
                 f"| {p.name} | {'yes' if p.accepted else 'no'} | {p.metric or '–'} | {f(p.source_quality)} | {f(p.result_quality)} | "
                 f"{'–' if p.quality_drop is None else f'{p.quality_drop:.4g}'} | {'–' if p.quality_budget is None else p.quality_budget} | "
@@ -336,7 +336,7 @@ def render_markdown(r: CompileReport) -> str:
         for c in r.candidates:
             if c.accuracy is None:
                 continue
-            pct = lambda v: "–" if v is None else f"{100 * v:.2f}"  # noqa: E731
+            pct = lambda v: "–" if v is None else f"{100 * v:.2f}"
             lines.append(
                 f"| {c.format} | {c.status} | {pct(c.accuracy)} | {pct(c.accuracy_drop)} | {pct(c.argmax_agreement)} | {c.parameters or '–'} | "
                 f"{c.latency_us.get('1', float('nan')):.1f} | {c.latency_us.get('32', float('nan')):.1f} |"

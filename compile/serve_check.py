@@ -59,7 +59,7 @@ def check_served(
                 client.close()
     except ScorestackError as exc:
         return ServeCheckReport(status="failed", reason=str(exc).split("\n--- log tail")[0][:1500])
-    except Exception as exc:  # noqa: BLE001 - a gRPC error is the reason the check failed
+    except Exception as exc:  # a gRPC error is the reason the check failed
         return ServeCheckReport(status="failed", reason=f"inference over gRPC failed: {type(exc).__name__}: {exc}"[:1500])
     got = got.reshape(len(sent), -1).astype(np.float64)
     if got.shape != want.shape:
@@ -79,7 +79,7 @@ def _chunks(X: np.ndarray, max_batch: int) -> list[np.ndarray]:
     return head + [rest[i : i + max_batch] for i in range(0, len(rest), max_batch)]
 
 
-def _infer(client: grpcclient.InferenceServerClient, name: str, cfg, x: np.ndarray) -> np.ndarray:  # noqa: ANN001 - a ModelConfig
+def _infer(client: grpcclient.InferenceServerClient, name: str, cfg, x: np.ndarray) -> np.ndarray:
     # The config's data type (FP32 features, UINT8 images): the wire format clients use.
     datatype = mc.DataType.Name(cfg.input[0].data_type).removeprefix("TYPE_")
     tensor = grpcclient.InferInput(cfg.input[0].name, list(x.shape), datatype)

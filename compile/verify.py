@@ -103,7 +103,7 @@ def verify(execute: Execute, reference: np.ndarray, holdout: Holdout, task: str,
     idx = sample_indices(len(X), sample_rows)
     try:
         one, big = _run(execute, X, idx)
-    except Exception as exc:  # noqa: BLE001 - a failure at run time is a verification failure, with its reason
+    except Exception as exc:  # a failure at run time is a verification failure, with its reason
         return Verification(False, None, None, None, 0, 0, f"failed to run: {exc}")
     ref = reference.reshape(len(X), -1)
     for label, out, want in (("batch 1", one, ref[idx]), (f"batch {len(X)}", big, ref)):
@@ -156,7 +156,7 @@ def verify_images(
     idx = sample_indices(len(X), sample_rows)
     try:
         one, big = _run(execute, X, idx)
-    except Exception as exc:  # noqa: BLE001 - a failure at run time is a verification failure, with its reason
+    except Exception as exc:  # a failure at run time is a verification failure, with its reason
         return Verification(False, None, None, None, 0, 0, f"failed to run: {exc}")
     ref = reference.reshape(len(X), -1)
     if big.shape != ref.shape or one.shape != ref[idx].shape:
@@ -202,7 +202,7 @@ def verify_bands(
         X = holdout.X[np.arange(n) % len(holdout.X)]
         try:
             out, errors = execute(X, [n])
-        except Exception as exc:  # noqa: BLE001 - a failure at run time fails the check, with its reason
+        except Exception as exc:  # a failure at run time fails the check, with its reason
             return BandCheck(False, sizes, None, f"batch {n}: failed to run: {exc}")
         if errors:
             return BandCheck(False, sizes, None, f"batch {n}: {errors[0]}")

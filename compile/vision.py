@@ -13,6 +13,7 @@ import numpy as np
 
 from scorestack.errors import SpecError
 
+from .model import SourceModel
 from .spec import ImageSpec, ModelSpec
 
 # Families of image sources (registry keys): a torch nn.Module (prunable, distillable), a TorchScript
@@ -79,7 +80,7 @@ def preprocess_module(image: ImageSpec):  # -> torch.nn.Module
             self.register_buffer("b", (-mean / std).reshape(1, c, 1, 1))
             self.hwc = image.layout == "HWC"
 
-        def forward(self, x):  # noqa: ANN001, ANN202 - torch tensors
+        def forward(self, x):
             x = x.to(torch.float32)
             if self.hwc:
                 x = x.permute(0, 3, 1, 2)
@@ -99,7 +100,7 @@ def served_module(model: Any, image: ImageSpec):  # -> torch.nn.Module
             super().__init__()
             self.pre, self.model = pre, model
 
-        def forward(self, x):  # noqa: ANN001, ANN202 - torch tensors
+        def forward(self, x):
             y = self.model(self.pre(x))
             return torch.softmax(y, dim=1) if softmax else y
 
@@ -107,15 +108,33 @@ def served_module(model: Any, image: ImageSpec):  # -> torch.nn.Module
 
 
 # --- loading ----------------------------------------------------------------------------------------
+@dataclass
+class VisionSource(SourceModel):
+    """An image-classification source (a torch module, TorchScript or an ONNX graph) with the spec's
+    ImageSpec (wire layout and folded preprocessing); its reference predictions are class
+    probabilities [n, k] through the source framework's own path."""
+
+    image: ImageSpec | None = None
+
+    @property
+    def framework(self) -> str:
+        return "onnx" if self.family == ONNX else "torch"
+
+    @property
+    def n_trees(self) -> int | None:
+        return None
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return predict(self, X)
+
+
 def import_class(path: str) -> type:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
-def load_vision_source(spec: ModelSpec, source: str):  # -> SourceModel
-    """Load a torch-module / torchscript / onnx source, check its output width, and wrap it as a SourceModel."""
-    from .model import SourceModel
-
+def load_vision_source(spec: ModelSpec, source: str) -> VisionSource:
+    """Load a torch-module / torchscript / onnx source, check its output width, and wrap it as a VisionSource."""
     src, image = spec.source, spec.inputs.image
     assert image is not None
     if src.format not in _FAMILY:
@@ -152,16 +171,16 @@ def load_vision_source(spec: ModelSpec, source: str):  # -> SourceModel
             desc = f"ONNX graph (opset {max(o.version for o in model.opset_import if o.domain in ('', 'ai.onnx'))})"
     except SpecError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any library error means "this file is not a loadable model"
+    except Exception as exc:  # any library error means "this file is not a loadable model"
         raise SpecError(
             f"spec {source}: field `source.path`: cannot load {src.path.name} as {src.format}: {type(exc).__name__}: {str(exc)[:300]}; "
             "check that the file is complete and that `source.format` (and `source.module`) match it"
         ) from None
-    sm = SourceModel(name=spec.name, task=spec.task, family=_FAMILY[src.format], model=model, n_features=spec.n_features, description=desc, image=image)
+    sm = VisionSource(name=spec.name, task=spec.task, family=_FAMILY[src.format], model=model, n_features=spec.n_features, description=desc, image=image)
     probe = np.zeros((2, *image.shape), dtype=np.uint8)
     try:
         out = sm.predict(probe)
-    except Exception as exc:  # noqa: BLE001 - a model that cannot run on the declared images is a spec error
+    except Exception as exc:  # a model that cannot run on the declared images is a spec error
         raise SpecError(
             f"spec {source}: field `inputs.image`: the model does not run on float32 [N, {image.channels}, {image.height}, {image.width}] "
             f"(the declared images after preprocessing): {type(exc).__name__}: {str(exc)[:300]}"

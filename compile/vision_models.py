@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -217,7 +216,7 @@ def train(
         torch.set_num_threads(previous)
 
 
-def _train(model, data, epochs, lr, teacher, temperature, soft_weight, batch_size, seed):  # noqa: ANN001, ANN202 - see train()
+def _train(model, data, epochs, lr, teacher, temperature, soft_weight, batch_size, seed):
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)

@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from .model import Holdout, SourceModel
+from .model import Holdout
 from .report import PassReport
 from .spec import ChannelPruningSpec, StudentSpec
 from .verify import accuracy
-from .vision import ONNX, TORCH, Images, to_float
+from .vision import ONNX, TORCH, Images, VisionSource, to_float
 
 
-def _train_data(source: SourceModel, train: Images):  # -> TrainData
+def _train_data(source: VisionSource, train: Images):  # -> TrainData
     import torch
 
     from .vision_models import TrainData
@@ -28,7 +28,7 @@ def _train_data(source: SourceModel, train: Images):  # -> TrainData
     return TrainData(to_float(source.image, train.X), torch.from_numpy(train.y))
 
 
-def teacher_logits(source: SourceModel):  # -> Callable[[torch.Tensor], torch.Tensor]
+def teacher_logits(source: VisionSource):  # -> Callable[[torch.Tensor], torch.Tensor]
     """The source model as a teacher: preprocessed float32 images -> logits (log-probabilities when it returns probabilities)."""
     import torch
 
@@ -62,8 +62,8 @@ def parameters(model: Any) -> int | None:
 
 
 def prune_channels(
-    source: SourceModel, holdout: Holdout, train: Images | None, spec: ChannelPruningSpec, budget: float, threads: int
-) -> tuple[SourceModel | None, PassReport]:
+    source: VisionSource, holdout: Holdout, train: Images | None, spec: ChannelPruningSpec, budget: float, threads: int
+) -> tuple[VisionSource | None, PassReport]:
     """Rank each prunable conv's output channels by L1 norm, rebuild the model with the top `keep_ratio`, fine-tune, check the budget."""
     report = PassReport(name="channel_pruning", accepted=False, reason="", metric="accuracy", quality_budget=budget)
     if source.family != TORCH or not hasattr(source.model, "prune_channels"):
@@ -81,7 +81,7 @@ def prune_channels(
     src_acc = accuracy(source.predict(holdout.X), holdout.y)
     t0 = time.perf_counter()
     small = copy.deepcopy(source.model).prune_channels(spec.keep_ratio).eval()
-    pruned = SourceModel(
+    pruned = VisionSource(
         source.name, source.task, TORCH, small, source.n_features, source.n_classes, None,
         f"{type(small).__name__}({', '.join(f'{k}={v}' for k, v in small.config().items())}), {parameters(small):,} parameters",
         [*source.history, f"channels pruned to {spec.keep_ratio:.0%} by L1 norm, fine-tuned {spec.epochs} epochs"], image=source.image,
@@ -108,8 +108,8 @@ def prune_channels(
 
 
 def distill_student(
-    teacher: SourceModel, holdout: Holdout, train: Images | None, spec: StudentSpec, budget: float, threads: int
-) -> tuple[SourceModel | None, PassReport]:
+    teacher: VisionSource, holdout: Holdout, train: Images | None, spec: StudentSpec, budget: float, threads: int
+) -> tuple[VisionSource | None, PassReport]:
     """Train the project's SmallCNN with `spec.widths` on the teacher's softened outputs plus the labels; keep it within the budget."""
     from .vision_models import SmallCNN
     from .vision_models import train as train_model
@@ -128,7 +128,7 @@ def distill_student(
         student, _train_data(teacher, train), spec.epochs, spec.learning_rate, teacher=teacher_logits(teacher),
         temperature=spec.temperature, soft_weight=spec.soft_weight, threads=threads,
     )
-    distilled = SourceModel(
+    distilled = VisionSource(
         teacher.name, teacher.task, TORCH, student.eval(), teacher.n_features, teacher.n_classes, None,
         f"SmallCNN(widths={list(spec.widths)}) student, {parameters(student):,} parameters",
         [*teacher.history, f"distilled (T={spec.temperature:g}, soft weight {spec.soft_weight:g}, {spec.epochs} epochs)"], image=image,

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from scorestack._lazy import lazy_exports
 
-if TYPE_CHECKING:  # imports stay lazy: `scorestack --help` must not load XGBoost, Feast or torch
-    from .features import init_repo
-    from .run import run_demo
-    from .traffic import run_diagnosis
-    from .train import train_demo_models, train_vision_models
+if TYPE_CHECKING:  # (re-exported: `name as name`); imports stay lazy: `scorestack --help` must not load XGBoost, Feast or torch
+    from .features import init_repo as init_repo
+    from .run import run_demo as run_demo
+    from .traffic import run_diagnosis as run_diagnosis
+    from .train import train_demo_models as train_demo_models, train_vision_models as train_vision_models
 
 _EXPORTS = {
     name: f"{__name__}.{module}"

@@ -6,7 +6,7 @@ queries joined to the same tables, so a served score can be checked against the 
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 import numpy as np
 import pandas as pd

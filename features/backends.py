@@ -75,10 +75,10 @@ class Backend:
         self.views = dict(views)
         self.round_trips = 0
 
-    async def start(self) -> None:  # noqa: B027 - optional hook
+    async def start(self) -> None:
         pass
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:
         pass
 
     async def read(self, wanted: Wanted) -> Rows:
@@ -199,7 +199,7 @@ class FeastAsyncBackend(Backend):
             online._client_async = None
             try:
                 await client.aclose()
-            except Exception:  # noqa: BLE001 - closing a broken connection must not fail shutdown
+            except Exception:  # closing a broken connection must not fail shutdown
                 pass
 
     async def read(self, wanted: Wanted) -> Rows:
@@ -321,7 +321,7 @@ class DirectRedisBackend(Backend):
             client, self._client = self._client, None
             try:
                 await client.aclose()
-            except Exception:  # noqa: BLE001 - closing a broken connection must not fail shutdown
+            except Exception:  # closing a broken connection must not fail shutdown
                 pass
 
     def _packed_fields(self, views: tuple[str, ...]) -> tuple[bytes, bytes]:

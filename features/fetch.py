@@ -185,7 +185,7 @@ class FeatureFetcher:
         try:
             try:
                 sample = await asyncio.wait_for(sample_entities(direct, reference.views, self.store.config.project), timeout_s)
-            except Exception as exc:  # noqa: BLE001 - an unreachable store is not an error at start
+            except Exception as exc:  # an unreachable store is not an error at start
                 logger.warning("direct reader not verified at start: %s: %s", type(exc).__name__, exc)
                 return
             for plan in plans:
@@ -193,7 +193,7 @@ class FeatureFetcher:
                 n = sum(len(e) for e in wanted.values())
                 try:
                     problem = await asyncio.wait_for(compare(direct, reference, wanted), timeout_s)
-                except Exception as exc:  # noqa: BLE001 - the direct reader failing where Feast reads is a difference too
+                except Exception as exc:  # the direct reader failing where Feast reads is a difference too
                     problem = f"{type(exc).__name__}: {exc}"
                 if problem is None:
                     self._plans[plan.name] = replace(plan, backend_reason=f"{plan.backend_reason}; read what Feast reads for {n} sampled entities at start")
@@ -356,6 +356,6 @@ async def _warm_up(backend: Backend, timeout_s: float = 5.0) -> None:
     """
     try:
         await asyncio.wait_for(backend.read({name: [spec.probe_entity()] for name, spec in backend.views.items()}), timeout_s)
-    except Exception as exc:  # noqa: BLE001 - see docstring
+    except Exception as exc:  # see docstring
         logger.warning("feature store warm-up through %s failed: %s: %s", backend.name, type(exc).__name__, exc)
     backend.round_trips = 0

@@ -127,7 +127,7 @@ class Lane:
             if not read.over:  # the lane was closed under it
                 self._finish(read, Outcome(None, "closed", time.perf_counter() - read.start), "error")
             raise
-        except Exception as exc:  # noqa: BLE001 - a failing store degrades the fetch, never raises
+        except Exception as exc:  # a failing store degrades the fetch, never raises
             if not read.over:
                 self._finish(read, Outcome(None, f"error: {type(exc).__name__}: {exc}", time.perf_counter() - read.start), "error")
             return

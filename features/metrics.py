@@ -43,7 +43,7 @@ class FetchMetrics:
         with in_process_values():
             self._create(self.registry, tuple(services), tuple(views), tuple(backends))
 
-    def child(self, family, *labels: str):  # noqa: ANN001, ANN201 - a prometheus metric family and its child
+    def child(self, family, *labels: str):
         """`family.labels(*labels)`, looked up once: the request path updates ~8 children per fetch,
         and prometheus_client's `labels()` validates and locks on every call (~4 µs each). A child not
         pre-created is created in process memory (see in_process_values)."""

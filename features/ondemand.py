@@ -77,7 +77,7 @@ def compute(
     try:
         result = _transform(spec, answered, n, columns, view_values, views)
         rows = answered
-    except Exception as exc:  # noqa: BLE001 - a user's transformation may raise anything
+    except Exception as exc:  # a user's transformation may raise anything
         complete = np.flatnonzero((worst == FeatureStatus.PRESENT) | (worst == FeatureStatus.STALE))
         if len(complete) == len(answered):
             raise FeatureError(f"feature service {service!r}: on-demand feature view {spec.name!r} failed: {type(exc).__name__}: {exc}") from exc

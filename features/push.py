@@ -196,7 +196,7 @@ class FeatureWriter:
         except TimeoutError:
             self._count(push_source, "timeout")
             logger.warning("push to %s timed out after %.3f s", push_source, self.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - a failed write-back is counted and logged, never raised into scoring
+        except Exception as exc:  # a failed write-back is counted and logged, never raised into scoring
             self._count(push_source, "failed")
             logger.warning("push to %s failed: %s: %s", push_source, type(exc).__name__, exc)
         else:

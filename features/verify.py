@@ -40,7 +40,7 @@ async def sample_entities(
             break
         try:
             entity_key = deserialize_entity_key(key[: -len(suffix)], 3)
-        except Exception:  # noqa: BLE001 - another project's key that happens to end alike
+        except Exception:  # another project's key that happens to end alike
             continue
         values = dict(zip(entity_key.join_keys, (feast_value_type_to_python_type(v) for v in entity_key.entity_values)))
         for name in by_keys.get(tuple(sorted(values)), ()):

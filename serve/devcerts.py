@@ -31,14 +31,14 @@ class DevCerts:
     client_key: Path
 
 
-def _key():  # noqa: ANN202 - a cryptography private key
+def _key():
     from cryptography.hazmat.primitives.asymmetric import ec
 
     # P-256: fast to generate and to handshake, accepted by gRPC's BoringSSL and by OpenSSL.
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _write_key(path: Path, key) -> None:  # noqa: ANN001
+def _write_key(path: Path, key) -> None:
     from cryptography.hazmat.primitives import serialization
 
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
@@ -47,20 +47,20 @@ def _write_key(path: Path, key) -> None:  # noqa: ANN001
         fh.write(pem)
 
 
-def _write_cert(path: Path, cert) -> None:  # noqa: ANN001
+def _write_cert(path: Path, cert) -> None:
     from cryptography.hazmat.primitives import serialization
 
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def _name(common_name: str):  # noqa: ANN202
+def _name(common_name: str):
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
     return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "scorestack dev (throwaway)"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _sans(hosts: tuple[str, ...]):  # noqa: ANN202
+def _sans(hosts: tuple[str, ...]):
     from cryptography import x509
 
     names = []
@@ -72,7 +72,7 @@ def _sans(hosts: tuple[str, ...]):  # noqa: ANN202
     return x509.SubjectAlternativeName(names)
 
 
-def _issue(subject: str, key, ca_name, ca_key, *, not_before: dt.datetime, not_after: dt.datetime, server: bool, hosts: tuple[str, ...]):  # noqa: ANN001, ANN202
+def _issue(subject: str, key, ca_name, ca_key, *, not_before: dt.datetime, not_after: dt.datetime, server: bool, hosts: tuple[str, ...]):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID

@@ -97,7 +97,7 @@ def wait_until(
         time.sleep(interval_s)
 
 
-def process_exit(proc) -> Callable[[], "str | None"]:  # noqa: ANN001 - anything with poll() and returncode
+def process_exit(proc) -> Callable[[], "str | None"]:
     """A `died` check for a subprocess: its exit code once it has exited."""
 
     def died() -> str | None:

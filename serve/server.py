@@ -105,7 +105,7 @@ def clean_leftovers() -> list[int]:
     return killed
 
 
-def _die_with_parent(parent: int):  # noqa: ANN202 - a preexec_fn
+def _die_with_parent(parent: int):
     """In the child before exec: SIGKILL when the parent dies (Linux parent-death signal)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
@@ -153,7 +153,7 @@ def _cpu_list(cpus) -> str:
     return ",".join(str(c) for c in sorted(cpus))
 
 
-def _child_setup(parent: int | None, cpus: frozenset[int] | None):  # noqa: ANN202 - a preexec_fn
+def _child_setup(parent: int | None, cpus: frozenset[int] | None):
     """In the child before exec: the CPU set (every thread and process it starts inherits it), and
     the parent-death signal when `parent` is given."""
     die = _die_with_parent(parent) if parent is not None else None
@@ -408,7 +408,7 @@ class LocalTriton:
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def _endpoints(self):  # noqa: ANN202 - a readiness probe
+    def _endpoints(self):
         return triton_endpoints(self.host, self.grpc_port, self.http_host, self.http_port, self.metrics_port)
 
     def is_ready(self) -> bool:
@@ -445,7 +445,7 @@ class LocalTriton:
             except ValueError:
                 code, answer = exc.code, {"error": raw.decode(errors="replace")}
             if code == 403 and "restricted" in str(answer).lower():
-                raise AdminKeyError(f"Triton at {self.http_url} refused {path}: {'the admin key is wrong' if self.admin_key else 'no admin key was sent'} (header {ADMIN_KEY_HEADER!r})")
+                raise AdminKeyError(f"Triton at {self.http_url} refused {path}: {'the admin key is wrong' if self.admin_key else 'no admin key was sent'} (header {ADMIN_KEY_HEADER!r})") from exc
             return code, answer
 
     def repository_index(self) -> dict[str, ModelStatus]:
@@ -567,7 +567,7 @@ class LocalTriton:
                 return
             try:
                 self.sync()
-            except Exception:  # noqa: BLE001 - a failed look is logged and retried at the next tick
+            except Exception:  # a failed look is logged and retried at the next tick
                 log.exception("repository sync failed")
 
     def failure_reason(self) -> str:

@@ -51,7 +51,7 @@ def runtime_source() -> Path:
 
 
 @functools.cache
-def _renameat2():  # noqa: ANN202 - a ctypes function, looked up once per process
+def _renameat2():
     import ctypes
 
     try:
@@ -162,7 +162,7 @@ DROPPED_VERSION_KEEP_S = 600.0
 _DROPPED_MARK = ".scorestack_dropped_at"
 
 
-def _selected_versions(config, versions: list[Path]) -> list[int]:  # noqa: ANN001 - a ModelConfig
+def _selected_versions(config, versions: list[Path]) -> list[int]:
     """The versions Triton's policy selects among the repository's folders (Triton's default: the newest one)."""
     numbers = sorted(int(v.name) for v in versions)
     choice = config.version_policy.WhichOneof("policy_choice")

@@ -95,7 +95,7 @@ class RuntimeWorker:
         try:
             while True:
                 replies.put(read_frame(proc.stdout))
-        except Exception as exc:  # noqa: BLE001 - EOF or a torn frame: the worker is gone
+        except Exception as exc:  # EOF or a torn frame: the worker is gone
             replies.put(exc)
 
     def _log_tail(self, n: int = 1500) -> str:

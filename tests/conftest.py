@@ -27,10 +27,10 @@ from scorestack.serve.server import free_port
 _SLOW_FIRST = ("test_demo", "test_soak", "test_verified_served", "test_vision")
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201 - pytest's hook
+def pytest_collection_modifyitems(config, items):
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
 
-    def rank(item) -> int:  # noqa: ANN001
+    def rank(item) -> int:
         name = item.module.__name__
         return _SLOW_FIRST.index(name) if name in _SLOW_FIRST else len(_SLOW_FIRST) + (name not in slow)
 
@@ -43,7 +43,7 @@ class LocalTriton(_server.LocalTriton):
     buys nothing (exit_timeout_s=0). `scorestack serve`, started by tests as a command, keeps the
     default drain."""
 
-    def __init__(self, *args, exit_timeout_s: int = 0, **kwargs) -> None:  # noqa: ANN002, ANN003 - LocalTriton's own
+    def __init__(self, *args, exit_timeout_s: int = 0, **kwargs) -> None:
         super().__init__(*args, exit_timeout_s=exit_timeout_s, **kwargs)
 
 
@@ -61,7 +61,7 @@ def redis_url() -> str:
     try:
         redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping()
         return url
-    except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+    except Exception as exc:  # any failure means "not reachable"
         require(f"Redis not reachable at {url}: {exc}; start one (redis-server --daemonize yes) or set REDIS_URL")
     raise AssertionError("unreachable")
 

@@ -51,7 +51,7 @@ def repository_index_status(http_port: int, headers: dict[str, str]) -> int:
         return exc.code
 
 
-def assert_restricted_to(key, placeholder: str, http_port: int, grpc_port: int) -> None:  # noqa: ANN001 - an AdminKey
+def assert_restricted_to(key, placeholder: str, http_port: int, grpc_port: int) -> None:
     """The repository API refuses no key and the placeholder `ps` shows, opens to the key (HTTP and
     gRPC), and health stays open."""
     import tritonclient.grpc as grpcclient

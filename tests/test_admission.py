@@ -9,7 +9,6 @@ a preferred batch of 64 that never fills), so calls are really in flight while t
 from __future__ import annotations
 
 import asyncio
-import shutil
 
 import numpy as np
 import onnxruntime as ort

@@ -437,7 +437,7 @@ def _words(command: list[str] | str) -> list[str]:
 
 def test_compose_commands_are_real_scorestack_commands():
     seen = set()
-    for name, svc in compose()["services"].items():
+    for _name, svc in compose()["services"].items():
         if svc.get("image", "").split(":")[0] != "scorestack":
             continue
         for argv in scorestack_commands(svc.get("entrypoint"), svc["command"]):
@@ -472,7 +472,7 @@ def test_k8s_manifests_validate_against_the_kubernetes_api():
     docs = k8s_documents()
     assert set(docs) == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}, "every manifest is in the kustomization"
     kinds = set()
-    for name, items in docs.items():
+    for _name, items in docs.items():
         for d in items:
             kinds.add(d["kind"])
             for version in K8S_VERSIONS:
@@ -565,7 +565,7 @@ def _metric_names(query: str) -> set[str]:
     expr = promql_parser.parse(query)
     names: set[str] = set()
 
-    def visit(e) -> None:  # noqa: ANN001
+    def visit(e) -> None:
         if isinstance(e, promql_parser.VectorSelector):
             names.add(e.name)
         for attr in ("expr", "lhs", "rhs", "vector_selector"):

@@ -310,7 +310,7 @@ def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProces
 
 def test_replay_from_the_compile_reports_holdout_and_from_an_npz(deployment, tmp_path):
     server, repo, root = deployment
-    base = ["--url", server.grpc_url, "--model", MODEL, "--repository", str(repo), "--save-stats", str(tmp_path / "s.json"), "--json"]
+    base = ["--url", server.grpc_url, "--model", MODEL, "--replay", "--repository", str(repo), "--save-stats", str(tmp_path / "s.json"), "--json"]
     # Default rows: the held-out rows the model's report.json -> spec -> holdout points to.
     out = _run([*base, "--requests", "150", "--concurrency", "4"])
     assert out.returncode == 0, out.stderr
@@ -335,37 +335,49 @@ def test_bad_input_is_named_with_the_fix(deployment, tmp_path):
     assert out.returncode == 1 and "'nope'" in out.stderr and "not served" in out.stderr
     no_x = tmp_path / "no_x.npz"
     np.savez(no_x, rows=np.zeros((3, 3)))
-    out = _run([*url, "--model", MODEL, "--rows", str(no_x)])
+    out = _run([*url, "--model", MODEL, "--replay", "--rows", str(no_x)])
     assert out.returncode == 1 and "no array X" in out.stderr and "np.savez" in out.stderr
     # --client-metrics alone watches the default window; the endpoint is read before it starts.
     out = _run([*url, "--client-metrics", "http://127.0.0.1:1/metrics"])
     assert out.returncode == 1 and "http://127.0.0.1:1/metrics did not answer" in out.stderr
-    # Replay settings without a model to replay into.
-    out = _run([*url, "--requests", "5"])
+    # Replay settings without --replay: named, nothing sent; --replay without a model to replay into.
+    out = _run([*url, "--model", MODEL, "--requests", "5"])
+    assert out.returncode == 2 and "--requests" in out.stderr and "add --replay" in out.stderr
+    out = _run([*url, "--replay", "--requests", "5"])
     assert out.returncode == 2 and "--model M" in out.stderr
     # The demo's traffic flags belong to `scorestack demo diagnose`.
     out = _run([*url, "--fraud-requests", "5"])
     assert out.returncode == 2 and "--fraud-requests" in out.stderr
     out = _run([*url, "--window", "5", "--rate", "10"])
     assert out.returncode == 2 and "sends nothing" in out.stderr
+    out = _run([*url, "--model", MODEL, "--replay", "--window", "5"])
+    assert out.returncode == 2 and "send nothing" in out.stderr
     out = _run([*url, "--window", "1", "--client-metrics", "http://127.0.0.1:1/metrics", "--model", MODEL])
     assert out.returncode == 1 and "http://127.0.0.1:1/metrics did not answer" in out.stderr
 
 
 def test_bare_diagnose_watches_every_ready_model_for_the_default_window_and_sends_nothing(deployment, tmp_path):
     """`scorestack diagnose --url X` and nothing else: passive over every ready model for the default
-    window; Triton counts no inference from it."""
+    window; `--model M` alone: passive over M. Triton counts no inference from either."""
     from scorestack.cli.diagnose import DEFAULT_WINDOW_S
 
     server, _, _ = deployment
     before = {m: _stats(server, m) for m in (MODEL, CACHED)}
-    # In an empty folder: no ./model_repository with compile reports to read either.
-    out = subprocess.run([EXE, "diagnose", "--url", server.grpc_url, "--json"], capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
+    # In an empty folder: no ./model_repository with compile reports to read either. Beside it, at the
+    # same time, `--model M` alone: it watches that model and sends nothing too (replay needs --replay).
+    bare = subprocess.Popen([EXE, "diagnose", "--url", server.grpc_url, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    one = subprocess.Popen([EXE, "diagnose", "--url", server.grpc_url, "--model", MODEL, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    out_text, err_text = bare.communicate(timeout=180)
+    one_out, one_err = one.communicate(timeout=180)
+    assert bare.returncode == 0, err_text
+    assert one.returncode == 0, one_err
     after = {m: _stats(server, m) for m in (MODEL, CACHED)}
-    assert f"passive over every ready model for {DEFAULT_WINDOW_S:g} s, the default window" in out.stderr and "sending nothing" in out.stderr
-    assert "watching" in out.stderr
-    by_model = {d["model"]: d for d in json.loads(out.stdout)["models"]}
+    assert f"passive over every ready model for {DEFAULT_WINDOW_S:g} s, the default window" in err_text and "sending nothing" in err_text
+    assert "watching" in err_text
+    assert f"passive over {MODEL} for {DEFAULT_WINDOW_S:g} s" in one_err and "sending nothing" in one_err
+    (only,) = json.loads(one_out)["models"]
+    assert only["model"] == MODEL and only["mode"] == "passive" and only["requests"] == 0
+    by_model = {d["model"]: d for d in json.loads(out_text)["models"]}
     assert set(by_model) == {MODEL, CACHED}
     for model, d in by_model.items():
         delta = after[model] - before[model]
@@ -587,14 +599,14 @@ def test_exported_request_phases_read_back_as_the_means_of_the_window():
         metrics.observe({"features": -1.0})
 
     class NotMetrics(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             body = b"<html><body>a dashboard, not metrics</body></html>\n"
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *args) -> None:  # noqa: ANN002
+        def log_message(self, *args) -> None:
             pass
 
     page = http.server.HTTPServer(("127.0.0.1", 0), NotMetrics)
@@ -616,12 +628,12 @@ def test_server_snapshot_sums_every_served_version():
     from scorestack.client.diagnose import server_snapshot
 
     def version(v: str, n: int, queue_ns: int) -> dict:
-        stat = lambda ns: {"count": str(n), "ns": str(ns)}  # noqa: E731 - int64 fields arrive as strings
+        stat = lambda ns: {"count": str(n), "ns": str(ns)}
         return {"name": "m", "version": v, "inference_count": str(n), "execution_count": str(n // 2),
                 "inference_stats": {"success": stat(1000 * n), "queue": stat(queue_ns), "compute_input": stat(10), "compute_infer": stat(500 * n),
                                     "compute_output": stat(20), "cache_hit": {"count": "0", "ns": "0"}}}
 
-    async def stats(model, headers=None, as_json=False, client_timeout=None):  # noqa: ANN001, ANN202
+    async def stats(model, headers=None, as_json=False, client_timeout=None):
         return {"model_stats": [version("1", 0, 0), version("2", 40, 7000)]}
 
     triton = SimpleNamespace(grpc=SimpleNamespace(get_inference_statistics=stats), admin_headers=None, url="x", admin_key=None)

@@ -110,8 +110,8 @@ def test_the_crossover_gives_bands_and_each_band_answers_on_its_format_through_t
                 booster = xgb.Booster(model_file=str(version_dir / "native-model.json"))
                 booster.set_param({"nthread": 1})
                 own = {
-                    "onnx": lambda x: onnx.run(None, {onnx.get_inputs()[0].name: x})[0],
-                    "native": lambda x: booster.inplace_predict(x),
+                    "onnx": lambda x, onnx=onnx: onnx.run(None, {onnx.get_inputs()[0].name: x})[0],
+                    "native": lambda x, booster=booster: booster.inplace_predict(x),
                 }
                 reference = xgb.Booster(model_file=str(source))
                 holdout = Path(yaml.safe_load(spec.read_text())["holdout"])

@@ -132,7 +132,7 @@ def driver_python(inputs: dict) -> dict:
 )
 def pair_features(inputs: dict) -> dict:
     n = len(inputs["pair_txn_count"])
-    column = lambda key: inputs[key] if isinstance(inputs[key], list) else [inputs[key]] * n  # noqa: E731
+    column = lambda key: inputs[key] if isinstance(inputs[key], list) else [inputs[key]] * n
     return {{
         "pair_share": [
             None if p is None or m is None else p / (1 + m) for p, m in zip(inputs["pair_txn_count"], inputs["merchant_txn_count"])

@@ -101,7 +101,7 @@ def _files(folder: str) -> list[Path]:
     return sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def _violations(folders: tuple[str, ...], forbidden) -> list[str]:  # noqa: ANN001
+def _violations(folders: tuple[str, ...], forbidden) -> list[str]:
     out = []
     for folder in folders:
         for path in _files(folder):

@@ -17,7 +17,7 @@ from skl2onnx import to_onnx
 from conftest import LocalTriton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import loadgen  # noqa: E402
+import loadgen
 
 N_FEATURES = 30
 CONFIG = """

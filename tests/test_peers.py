@@ -22,9 +22,9 @@ BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
-from peers import servers  # noqa: E402 - benchmarks/ is not a package
-from peers.model import FraudModel, compiled_onnx  # noqa: E402
-from suite import FASTAPI_TARGETS  # noqa: E402
+from peers import servers  # noqa: E402 - benchmarks/ is not a package: put on sys.path first
+from peers.model import FraudModel, compiled_onnx  # noqa: E402 - the same
+from suite import FASTAPI_TARGETS  # noqa: E402 - the same
 
 
 @pytest.fixture(scope="module")

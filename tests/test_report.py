@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import report  # noqa: E402
+import report
 
 
 def _fraud(p50: float, p99: float, errors: dict | None = None) -> dict:

@@ -319,7 +319,7 @@ def test_ready_means_every_endpoint_answers_and_a_taken_metrics_port_is_retried(
         real = server_module.PortReservation.take
         picks: list[list[int]] = []
 
-        def take(n, host="127.0.0.1", **kw):  # noqa: ANN001, ANN003, ANN202 - PortReservation.take's own
+        def take(n, host="127.0.0.1", **kw):
             got = real(n, host, **kw)
             if not picks:
                 got.ports[-1] = taken
@@ -431,7 +431,7 @@ def _server_gone(client) -> bool:
     try:
         client.is_server_live(client_timeout=1)
         return False
-    except Exception:  # noqa: BLE001 - any failure to reach it means it is gone
+    except Exception:  # any failure to reach it means it is gone
         return True
 
 
@@ -476,7 +476,7 @@ def test_runtime_reports_failures_per_request(tmp_path, server_env):
                     inp.set_data_from_numpy(x)
                     try:
                         return (await client.infer("picky", [inp], client_timeout=30)).as_numpy("Y")
-                    except Exception as exc:  # noqa: BLE001 - the error is what we check
+                    except Exception as exc:  # the error is what we check
                         return exc
 
                 return await asyncio.gather(*(one(x) for x in [*good, bad]))

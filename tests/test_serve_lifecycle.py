@@ -417,8 +417,10 @@ def test_hot_swap_under_32_concurrent_clients_drops_nothing(server_environment, 
             sent = time.monotonic()
             try:
                 out: object = float((await c.infer("swap", [inp], client_timeout=30)).as_numpy("prediction")[0, 0])
-            except Exception as exc:  # noqa: BLE001 - every failure is counted, with what and when
-                out = RuntimeError(f"{type(exc).__name__} {getattr(exc, 'status', lambda: '')()} {getattr(exc, 'message', lambda: str(exc))()} at {sent - t0:.3f} s")
+            except Exception as exc:  # every failure is counted, with what and when
+                status = exc.status() if hasattr(exc, "status") else ""
+                message = exc.message() if hasattr(exc, "message") else str(exc)
+                out = RuntimeError(f"{type(exc).__name__} {status} {message} at {sent - t0:.3f} s")
             results[i].append((sent, time.monotonic(), out))
 
     async def load() -> None:

@@ -93,11 +93,11 @@ def _sources(root: Path) -> list[Source]:
         est.fit(X[tr], y[tr])
         joblib.dump(est, root / f"{name}.joblib")
         if task == "binary":
-            pred = lambda Z, e=est: e.predict_proba(Z)[:, 1:2]  # noqa: E731
+            pred = lambda Z, e=est: e.predict_proba(Z)[:, 1:2]
         elif task == "multiclass":
-            pred = lambda Z, e=est: e.predict_proba(Z)  # noqa: E731
+            pred = lambda Z, e=est: e.predict_proba(Z)
         else:
-            pred = lambda Z, e=est: e.predict(Z).reshape(-1, 1)  # noqa: E731
+            pred = lambda Z, e=est: e.predict(Z).reshape(-1, 1)
         out.append(Source(name, task, root / f"{name}.joblib", "joblib", pred, save_holdout(name, X[ho], y[ho])))
 
     # scikit-learn trees, a linear Pipeline, and a HistGradientBoosting pickled in this (numpy 2) environment.

@@ -12,18 +12,18 @@ import pytest
 import torch
 
 from scorestack.compile.convert_torch import export_fp32, quantize_int8
-from scorestack.compile.model import SourceModel
+from scorestack.compile.vision import VisionSource
 from scorestack.compile.spec import ImageSpec
 from scorestack.compile.vision_models import SmallCNN, SmallResNet
 
 IMAGE = ImageSpec(layout="HWC", height=16, width=16, channels=1, scale=1 / 255, mean=[0.2], std=[0.3])
 
 
-def _source(model: torch.nn.Module) -> SourceModel:
-    return SourceModel("tiny", "image-classification", "torch-vision", model.eval(), 16 * 16, model.n_classes, image=IMAGE)
+def _source(model: torch.nn.Module) -> VisionSource:
+    return VisionSource("tiny", "image-classification", "torch-vision", model.eval(), 16 * 16, model.n_classes, image=IMAGE)
 
 
-def _session(path, optimized=None) -> ort.InferenceSession:  # noqa: ANN001
+def _session(path, optimized=None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = 1

@@ -20,7 +20,7 @@ import numpy as np
 from scorestack import schema
 
 
-def _session(model: Path):  # noqa: ANN202 - an onnxruntime InferenceSession
+def _session(model: Path):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -29,7 +29,7 @@ def _session(model: Path):  # noqa: ANN202 - an onnxruntime InferenceSession
     return ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
 
 
-def _output(sess, prefer: str) -> str:  # noqa: ANN001
+def _output(sess, prefer: str) -> str:
     names = [o.name for o in sess.get_outputs()]
     return next((n for n in names if prefer in n.lower()), names[-1])
 

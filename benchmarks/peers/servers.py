@@ -54,7 +54,7 @@ def _free_port() -> int:
     return free_port()
 
 
-def _wait_ready(probe, proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> None:  # noqa: ANN001 - a readiness probe
+def _wait_ready(probe, proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> None:
     """Bounded wait for a peer (scorestack.serve.readiness); the log's tail when it exits or never answers."""
     try:
         wait_until(probe, timeout_s=timeout_s, what=what, died=process_exit(proc))

@@ -288,7 +288,7 @@ class TensorRTRunner:
         try:
             import tensorrt as trt
             import torch
-        except Exception as exc:  # noqa: BLE001 - stub wheels fail with OSError/ImportError alike
+        except Exception as exc:  # stub wheels fail with OSError/ImportError alike
             raise RuntimeLoadError(f"TensorRT runner needs tensorrt and torch in this environment ({type(exc).__name__}: {exc})") from None
         if not torch.cuda.is_available():
             raise RuntimeLoadError("TensorRT runner: no CUDA device visible")
@@ -367,7 +367,7 @@ class ModelRuntime:
         band = self.band_for(n_rows)
         raw = band.runner.run(inputs)
         outputs = []
-        for (name, dtype, dims), value in zip(self.outputs, raw):
+        for (_name, dtype, dims), value in zip(self.outputs, raw):
             value = np.asarray(value)
             if band.output_column is not None:
                 # e.g. predict_proba (n, 2) or TL2cgen's (n, 1, k): keep the column the compiler chose.
@@ -393,7 +393,7 @@ class ModelRuntime:
             sizes = [inputs[0][1].shape[0] for inputs in per_request]
             joined = [(name, np.concatenate([inputs[i][1] for inputs in per_request], axis=0)) for i, (name, _) in enumerate(self.inputs)]
             outputs = self.run(joined, sum(sizes))
-        except Exception:  # noqa: BLE001 - retry one at a time, each with its own error
+        except Exception:  # retry one at a time, each with its own error
             return [self._execute_one(r) for r in requests]
         results = []
         start = 0
@@ -409,7 +409,7 @@ class ModelRuntime:
             inputs = self.coerce(arrays)
             n_rows = inputs[0][1].shape[0] if self.batched else 1
             return self.run(inputs, n_rows)
-        except Exception as exc:  # noqa: BLE001 - reported per request, with the model's name
+        except Exception as exc:  # reported per request, with the model's name
             return RuntimeError(f"model {self.name}: {type(exc).__name__}: {exc}")
 
 
@@ -458,7 +458,7 @@ def _load_band(name, version_dir, band, threads, params, output_names):
         runner = RUNNERS[runtime](artifact, threads, runner_params, output_names)
     except RuntimeLoadError as exc:
         raise RuntimeLoadError(f"model {name}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - any library error means "this artifact does not load here"
+    except Exception as exc:  # any library error means "this artifact does not load here"
         raise RuntimeLoadError(f"model {name}: cannot load {artifact} with {runtime}: {type(exc).__name__}: {exc}") from None
     column = band.get("output_column")
     return Band(int(band["min_rows"]), runtime, os.path.basename(artifact), runner, None if column is None else int(column))

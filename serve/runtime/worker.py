@@ -65,7 +65,7 @@ class Worker:
         for lib in ("onnxruntime", "xgboost", "sklearn", "tl2cgen"):
             try:
                 versions[lib] = __import__(lib).__version__
-            except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            except Exception as exc:  # reported, not fatal
                 versions[lib] = f"unavailable ({type(exc).__name__})"
         return {"python": sys.executable, "numpy": np.__version__, "libraries": versions}, []
 
@@ -181,7 +181,7 @@ def main():
         try:
             reply, arrays = getattr(worker, op)(msg, blobs)
             write_frame(proto_out, dict(reply, ok=True), arrays)
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the compiler, with its reason
+        except Exception as exc:  # every failure goes back to the compiler, with its reason
             detail = str(exc) if isinstance(exc, rt.RuntimeLoadError) else f"{type(exc).__name__}: {exc}"
             write_frame(proto_out, {"ok": False, "error": detail, "traceback": traceback.format_exc()[-2000:]})
 
