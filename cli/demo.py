@@ -21,6 +21,7 @@ def demo(
     ranking_requests: int = typer.Option(100, help="Ranking requests to send."),
     candidates: int = typer.Option(200, help="Candidates per ranking request."),
     vision_requests: int = typer.Option(200, help="Images to classify with the vision demo model, one per request (0: skip the vision model)."),
+    train_threads: int = typer.Option(2, min=1, help="Threads for training the demo models (1 on a machine busy with other work: two threads that wait on each other's core train several times slower)."),
 ) -> None:
     """Run the whole demo on this machine, with nothing else running and no flags needed."""
     if ctx.invoked_subcommand is not None:
@@ -31,7 +32,7 @@ def demo(
 
     # The console keeps the terminal while native build chatter goes to the workspace log.
     console = Console(file=os.fdopen(os.dup(1), "w", buffering=1))
-    run_demo(console, workspace, fraud_requests, ranking_requests, candidates, vision_requests)
+    run_demo(console, workspace, fraud_requests, ranking_requests, candidates, vision_requests, train_threads=train_threads)
 
 
 @reported

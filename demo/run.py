@@ -28,7 +28,7 @@ def _quiet(log_path: Path):
             os.close(saved[1])
 
 
-def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_candidates: int, n_vision: int = 0) -> list:
+def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_candidates: int, n_vision: int = 0, *, train_threads: int = 2) -> list:
     """Run the whole demo in `workspace` (default: scorestack.paths.workspace()), printing to the rich `console`.
 
     The demo keeps everything in its workspace, its model repository included
@@ -51,10 +51,10 @@ def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_ca
     console.print(f"workspace {ws} (build output in {log})")
 
     with console.status("training demo models (skipped when present)"), _quiet(log):
-        specs = train_demo_models(models_dir)
+        specs = train_demo_models(models_dir, threads=train_threads)
         if n_vision > 0:
             # The small CNN only: the residual network is compiled by the tests and the vision benchmark.
-            specs = specs + train_vision_models(models_dir, names=("digits_cnn",))
+            specs = specs + train_vision_models(models_dir, names=("digits_cnn",), threads=train_threads)
     console.print(f"[green]models[/green] {', '.join(p.stem for p in specs)} in {models_dir}")
     for spec in specs:
         with console.status(f"compiling {spec.stem} (skipped when unchanged)"), _quiet(log):

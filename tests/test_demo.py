@@ -20,7 +20,8 @@ def test_demo_runs_end_to_end(tmp_path, server_environment):
     run_tmp.mkdir()
     env["TMPDIR"] = str(run_tmp)
     out = subprocess.run(
-        [str(exe), "demo", "--fraud-requests", "60", "--ranking-requests", "15", "--candidates", "100"],
+        # One training thread: the suite runs two workers on 2 cores (docs/testing.md).
+        [str(exe), "demo", "--fraud-requests", "60", "--ranking-requests", "15", "--candidates", "100", "--train-threads", "1"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
