@@ -625,7 +625,15 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-SECTIONS: dict[str, Callable[[dict], list[str]]] = {"peers.json": render_peers}
+def render_e2e(data: dict) -> list[str]:
+    """The whole request against the hand-written service (benchmarks/bench_e2e.py), as that script renders it."""
+    from bench_e2e import render
+
+    text = render(data).replace("# The whole request against the service a user would write", "## The whole request against the service a user would write", 1)
+    return [ln.replace("\n## Goals", "\n### Goals").replace("## Goals (", "### Goals (") for ln in text.splitlines()] + [""]
+
+
+SECTIONS: dict[str, Callable[[dict], list[str]]] = {"peers.json": render_peers, "e2e.json": render_e2e}
 
 
 def _tracked(path: Path) -> bool:
