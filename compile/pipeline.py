@@ -522,7 +522,9 @@ def compile_model(
 
     source = load_source(spec, spec_path.name)
     holdout = load_holdout(spec.holdout, spec, spec_path.name)
-    threads_for_training = max(1, min(os.cpu_count() or 1, 4))
+    # The CPUs this process may run on, not the machine's count: a compile confined with taskset or a
+    # container's CPU set trains its passes with no more threads than it has cores.
+    threads_for_training = max(1, min(len(os.sched_getaffinity(0)), 4))
     model, pass_reports, variants = _apply_passes(spec, source, holdout, threads_for_training)
 
     staging_root = repository.parent / f".{repository.name}.staging"
