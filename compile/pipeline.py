@@ -132,6 +132,14 @@ def _install(staged: Path, dest: Path, version: int, keep: int, retire: list[Ret
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def _omp_threads() -> int:
+    """OMP_NUM_THREADS as a cap on threads (unset or unreadable: no cap)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "") or 1 << 30))
+    except ValueError:
+        return 1 << 30
+
+
 def _apply_passes(spec: ModelSpec, source: SourceModel, holdout: Holdout, threads: int) -> tuple[SourceModel, list[PassReport], dict[str, SourceModel]]:
     """The lossy passes. Returns the model the candidates come from, the pass reports, and the variants:
     tabular passes replace the model (one variant); an image model's pruned and distilled versions are
@@ -524,7 +532,8 @@ def compile_model(
     holdout = load_holdout(spec.holdout, spec, spec_path.name)
     # The CPUs this process may run on, not the machine's count: a compile confined with taskset or a
     # container's CPU set trains its passes with no more threads than it has cores.
-    threads_for_training = max(1, min(len(os.sched_getaffinity(0)), 4))
+    # OMP_NUM_THREADS, when set, caps it as it caps the libraries' own thread pools.
+    threads_for_training = max(1, min(len(os.sched_getaffinity(0)), 4, _omp_threads()))
     model, pass_reports, variants = _apply_passes(spec, source, holdout, threads_for_training)
 
     staging_root = repository.parent / f".{repository.name}.staging"

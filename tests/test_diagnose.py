@@ -305,6 +305,10 @@ def test_client_metrics_join_attributes_the_fraud_paths_latency(deployment, feat
 
 
 def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    # Wide enough that typer's error box does not wrap a message the assertions read.
+    env = {**(os.environ if env is None else env), "COLUMNS": "250"}
     return subprocess.run([EXE, "diagnose", *args], capture_output=True, text=True, timeout=180, env=env)
 
 
