@@ -22,10 +22,8 @@ where they were refused (the client's limit or Triton's queue policy). Writes re
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -35,96 +33,60 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import harness
 import numpy as np
 
 RESULTS = HERE / "results"
 POLICIES = ("none", "fixed", "adaptive")  # "adaptive:T" (--policies) sets the adaptive target to T ms
 
 
-# -- the driver (its own process, pinned) -------------------------------------------------------------
-async def _drive(url: str, model: str, rows: np.ndarray, per_request: int, policy, mode: str, value: float,
-                 duration_s: float, warmup_s: float, deadline_s: float, seed: int) -> dict:
-    from scorestack.client.triton import TritonClient
+# -- the driver (a harness worker, pinned) ---------------------------------------------------------------
+def _kind(exc: BaseException) -> str:
     from scorestack.errors import InferenceError, OverloadedError
 
-    client = TritonClient(url, deadline_s=deadline_s, max_in_flight=policy)
-    batches = [np.ascontiguousarray(rows[(i * per_request) % len(rows):][:per_request]) for i in range(64)]
-    batches = [b if len(b) == per_request else np.ascontiguousarray(rows[:per_request]) for b in batches]
-    await client.infer(model, {"features": batches[0]})  # metadata and channel first
-    lat: list[float] = []
-    counts = {"served": 0, "refused_client": 0, "rejected_server": 0, "deadline": 0, "other": 0}
-    samples: dict[str, str] = {}
-    t0 = time.monotonic() + warmup_s
-    t1 = t0 + duration_s
-    lags: list[float] = []
-
-    async def one(i: int, t_sched: float) -> None:
-        counted = t0 <= t_sched < t1
-        try:
-            await client.infer(model, {"features": batches[i % 64]})
-        except OverloadedError as exc:
-            kind = "refused_client" if exc.local else "rejected_server"
-            if counted:
-                counts[kind] += 1
-                samples.setdefault(kind, str(exc)[:300])
-            return
-        except InferenceError as exc:
-            kind = "deadline" if "deadline" in str(exc) else "other"
-            if counted:
-                counts[kind] += 1
-                samples.setdefault(kind, str(exc)[:300])
-            return
-        if counted:
-            counts["served"] += 1
-            lat.append(time.monotonic() - t_sched)
-
-    cpu0 = time.process_time()
-    tasks: set[asyncio.Task] = set()
-    if mode == "closed":
-        async def caller(k: int) -> None:
-            i = k
-            while time.monotonic() < t1:
-                await one(i, time.monotonic())
-                i += int(value)
-
-        await asyncio.gather(*(caller(k) for k in range(int(value))))
-    else:
-        rng = np.random.default_rng(seed)
-        t_next, i = time.monotonic(), 0
-        while t_next < t1:
-            now = time.monotonic()
-            if t_next > now:
-                await asyncio.sleep(t_next - now)
-            lags.append(time.monotonic() - t_next)
-            task = asyncio.ensure_future(one(i, t_next))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            i += 1
-            t_next += rng.exponential(1.0 / value)
-        if tasks:
-            await asyncio.wait(tasks, timeout=deadline_s + 5)
-    cpu = time.process_time() - cpu0
-    state = client.admission(model)
-    await client.close()
-    lat_ms = np.array(lat) * 1e3
-    pct = np.percentile(lat_ms, (50, 90, 99, 99.9)) if len(lat_ms) else [float("nan")] * 4
-    return {"counts": counts, "samples": samples, "served_per_s": counts["served"] / duration_s,
-            "p50_ms": float(pct[0]), "p90_ms": float(pct[1]), "p99_ms": float(pct[2]), "p999_ms": float(pct[3]),
-            "send_lag_p99_ms": float(np.percentile(lags, 99) * 1e3) if lags else None,
-            "client_cpu_cores": cpu / (warmup_s + duration_s), "admission": state}
+    if isinstance(exc, OverloadedError):
+        return "refused_client" if exc.local else "rejected_server"
+    if isinstance(exc, InferenceError):
+        return "deadline" if "deadline" in str(exc) else "other"
+    return type(exc).__name__
 
 
-def _driver_main(conn, cpus) -> None:
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    while True:
-        job = conn.recv()
-        if job is None:
-            return
-        try:
-            conn.send(asyncio.run(_drive(**job)))
-        except Exception as exc:  # reported to the parent, which records it
-            conn.send(exc)
+class _Driver:
+    """Sends through `TritonClient` itself, with the admission policy of each point."""
+
+    def __init__(self, settings: dict, index: int) -> None:
+        self.s = settings
+
+    async def __aenter__(self) -> "_Driver":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+    async def point(self, url: str, model: str, policy, mode: str, value: float, duration_s: float, warmup_s: float, deadline_s: float, seed: int) -> dict:
+        from scorestack.client.triton import TritonClient
+
+        rows, per = self.s["rows"], self.s["per_request"]
+        batches = [np.ascontiguousarray(rows[(i * per) % len(rows):][:per]) for i in range(64)]
+        batches = [b if len(b) == per else np.ascontiguousarray(rows[:per]) for b in batches]
+        client = TritonClient(url, deadline_s=deadline_s, max_in_flight=policy)
+        await client.infer(model, {"features": batches[0]})  # metadata and channel first
+        send = lambda i: client.infer(model, {"features": batches[i % 64]})
+        if mode == "closed":
+            t = await harness.closed_loop(send, int(value), duration_s=duration_s, warmup_s=warmup_s, classify=_kind)
+        else:
+            (t,) = await harness.open_loop(send, value, duration_s=duration_s, warmup_s=warmup_s, seed=seed, classify=_kind)
+        state = client.admission(model)
+        await client.close()
+        sm = t.summary()
+        counts = {"served": t.ok, **{k: t.errors.get(k, 0) for k in ("refused_client", "rejected_server", "deadline", "other")}}
+        return {"counts": counts, "samples": t.error_samples, "served_per_s": t.ok / duration_s,
+                **{k: sm[k] for k in ("p50_ms", "p90_ms", "p99_ms", "p999_ms")}, "send_lag_p99_ms": sm.get("send_lag_ms_p99"),
+                "client_cpu_cores": sm["client_cpu_cores"], "admission": state}
+
+
+def session(settings: dict, index: int) -> _Driver:
+    return _Driver(settings, index)
 
 
 # -- the run --------------------------------------------------------------------------------------------
@@ -166,21 +128,18 @@ def main(argv: list[str] | None = None) -> int:
         servers.pin_tree(peer.pids(), server_cpus)
         return peer
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    driver = ctx.Process(target=_driver_main, args=(child, client_cpus), daemon=True)
-    driver.start()
+    driver = harness.Workers(1, "bench_admission:session", {"rows": rows, "per_request": args.rows, "uvloop": False}, cpus=client_cpus)
     peer = start()
     t_start = time.monotonic()
 
     def run(policy_name, policy, mode, value, seed=0):
         nonlocal peer
         before = peer.stats()
-        parent.send({"url": peer.address, "model": peer.model, "rows": rows, "per_request": args.rows, "policy": policy, "mode": mode,
-                     "value": value, "duration_s": args.duration, "warmup_s": args.warmup, "deadline_s": args.deadline, "seed": seed})
-        if not parent.poll(args.duration + args.warmup + args.deadline + 120):
-            raise RuntimeError("the driver did not answer")
-        got = parent.recv()
+        try:
+            (got,) = driver.run("point", [{"url": peer.address, "model": peer.model, "policy": policy, "mode": mode, "value": value, "duration_s": args.duration,
+                                          "warmup_s": args.warmup, "deadline_s": args.deadline, "seed": seed}], timeout_s=args.duration + args.warmup + args.deadline + 120)
+        except harness.WorkerError as exc:  # recorded, and the server restarted
+            got = exc
         after = peer.stats()
         if isinstance(got, Exception) or not (before and after):
             reason = f"{type(got).__name__}: {got}" if isinstance(got, Exception) else "Triton's statistics did not answer"
@@ -224,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"other {c['other']}; limit {got['admission'] and got['admission']['limit']}; send lag p99 {got['send_lag_p99_ms']:.1f} ms, "
                           f"client {got['client_cpu_cores']:.2f} cores", flush=True)
     finally:
-        parent.send(None)
-        driver.join(5)
+        driver.close()
         peer.stop()
     data["seconds"] = round(time.monotonic() - t_start, 1)
     data["load_after"] = suite.loadavg()

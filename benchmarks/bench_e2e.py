@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -27,12 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_request_path import closed_send, cpu_model, git_commit
+import harness
 from peers.handwritten import HandWrittenFraud, HandWrittenRanking
 from peers.model import compiled_onnx
 
@@ -48,7 +46,6 @@ from scorestack.features import store
 from scorestack.features.fetch import FeatureFetcher
 from scorestack.serve import LocalTriton
 
-RESULTS = HERE / "results"
 SYSTEMS = ("scorestack", "handwritten_sync", "handwritten_async")
 LABELS = {
     "scorestack": "scorestack fraud path (direct Redis read + Triton over gRPC)",
@@ -72,11 +69,6 @@ async def check_agreement(fraud: FraudService, hand: HandWrittenFraud, txns: lis
     return worst
 
 
-def _machine_cpu_s() -> float:
-    t = psutil.cpu_times()
-    return t.user + t.system + getattr(t, "softirq", 0.0) + getattr(t, "irq", 0.0)
-
-
 async def measure_system(name: str, fraud: FraudService, hand: HandWrittenFraud, txns: list[dict], scale: int) -> dict:
     out = {}
     for conc, n in REQUESTS.items():
@@ -95,9 +87,11 @@ async def measure_system(name: str, fraud: FraudService, hand: HandWrittenFraud,
                 await loop.run_in_executor(pool, hand.score, txns[i % len(txns)])
         for i in range(min(100, n)):  # warm-up
             await send(i)
-        cpu0 = _machine_cpu_s()
-        point = await closed_send(send, conc, n)
-        point["machine_cpu_ms_per_score"] = (_machine_cpu_s() - cpu0) * 1e3 / max(point["served"], 1)
+        cpu0 = harness.host_busy_seconds()
+        t = await harness.closed_loop(send, conc, n=n)
+        sm = t.summary()
+        point = {"rate": sm["rate"], "served": t.ok, "failed": t.errors_total, "p50_ms": sm["p50_ms"], "p99_ms": sm["p99_ms"], "wall_s": t.wall_s}
+        point["machine_cpu_ms_per_score"] = (harness.host_busy_seconds() - cpu0) * 1e3 / max(point["served"], 1)
         out[f"c{conc}"] = point
         if name == "handwritten_sync":
             pool.shutdown()
@@ -233,13 +227,9 @@ def main() -> None:
             print(f"round {r}", flush=True)
             rounds.append(asyncio.run(run_round(server.grpc_url, repo, onnx, r, scale, max(4, args.ranking_requests // scale))))
     summary = summarize(rounds)
-    result = {"rounds": rounds, "summary": summary, "goals": goals(summary), "machine": {
-        "cpus": os.cpu_count(), "cpu_model": cpu_model(), "seconds": round(time.time() - t0, 1), "commit": git_commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick}}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
+    result = {"rounds": rounds, "summary": summary, "goals": goals(summary), "machine": harness.machine(seconds=round(time.time() - t0, 1), quick=args.quick)}
     text = render(result)
-    (RESULTS / f"{args.out}.md").write_text(text)
+    harness.write_results(args.out, result, text)
     print(text)
 
 

@@ -1,20 +1,18 @@
-"""Request path: batching settings side by side, fraud end to end, and ranking chunk plans.
+"""Request path: fraud end to end, and ranking chunk plans.
 
 Runs the demo models (trained and compiled into the workspace when absent) on the local Triton,
 with features from Redis (REDIS_URL, default 127.0.0.1:6379) through the async fetch layer.
 
-1. Batching: the compiled fraud model under variants of its dynamic-batching settings (queue delay,
-   instances), each on its own server start, in interleaved rounds; a closed loop of model calls at
-   concurrency 1, 16 and 64 through scorestack's TritonClient. Per start: throughput, p50/p99,
-   rejections, executed batch, server CPU per request (tritonserver and its stubs, from /proc), the
-   client's own CPU per request, and where the server's processes may run (Cpus_allowed_list).
-2. Fraud end to end (features + inference) on the compiled settings at concurrency 1, 16, 64, and in
-   open loop (Poisson arrivals) at 50% and 80% of the closed-loop maximum measured with 64 callers.
-3. Ranking at concurrency 1 with 100-2000 candidates (the most `scorestack.limits.MAX_CANDIDATES`
+1. Fraud end to end (features + inference) on the compiled settings at concurrency 1, 16, 64, and in
+   open loop (Poisson arrivals) at 50% and 80% of the closed-loop maximum measured with 64 callers;
+   the phases (features, client, queue, compute, network) as `scorestack diagnose` breaks them down.
+2. Ranking at concurrency 1 with 100-2000 candidates (the most `scorestack.limits.MAX_CANDIDATES`
    allows), chunks of max_batch_size, by how many of a request's chunks are in Triton at once.
-2 and 3 run under two placements, each on its own server start, alternating over the rounds:
+Both run under two placements, each on its own server start, alternating over the rounds:
 "shared" (client and Triton may run on every core) and "split" (Triton confined to all cores but
-the first with LocalTriton's `cpus`, this client to the first).
+the first with LocalTriton's `cpus`, this client to the first); and under the client event loops
+asked for (asyncio, uvloop). The dynamic-batching settings themselves are the compiler's (their
+study, with its results, is in results/request_path.md of 2026-12-02 and the compile report's rules).
 
 Writes benchmarks/results/request_path.{json,md}, with the load average before and after.
 
@@ -27,12 +25,8 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,126 +36,21 @@ from scorestack import limits, paths
 from scorestack.client.diagnose import breakdown, measure, server_snapshot
 from scorestack.client.fraud import FraudService
 from scorestack.client.ranking import RankingService
-from scorestack.client.server_stats import ModelStats, read_statistics, settled
+from scorestack.client.server_stats import settled
 from scorestack.client.triton import TritonClient
 from scorestack.compile import compile_model
 from scorestack.demo import data as demo_data
 from scorestack.demo.features import init_repo
 from scorestack.demo.train import train_demo_models
-from scorestack.errors import InferenceError, OverloadedError, ServerError
+from scorestack.errors import OverloadedError, ServerError
 from scorestack.features import store
 from scorestack.features.fetch import FeatureFetcher
 from scorestack.serve import LocalTriton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 from report import default_window_label
 
-RESULTS = Path(__file__).resolve().parent / "results"
-TICK = os.sysconf("SC_CLK_TCK")
-CONCURRENCY = {1: 400, 16: 3000, 64: 6000}  # concurrency -> requests per measurement
-
-
-# --- the server's processes -------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def server_processes(pid: int) -> list[int]:
-    """tritonserver and its Python-backend stubs (its children)."""
-    return [pid, *_children(pid)]
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for p in pids:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / TICK
-
-
-def pin(pids: list[int], cpus: set[int]) -> None:
-    """Every thread of `pids` may run only on `cpus` (threads created later inherit it)."""
-    for p in pids:
-        for tid in os.listdir(f"/proc/{p}/task"):
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except OSError:
-                pass
-
-
-def placement(pids: list[int]) -> list[dict]:
-    """Per process: name, threads, the CPUs it may run on, the CPU it last ran on."""
-    out = []
-    for p in pids:
-        try:
-            status = dict(line.split(":\t", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines() if ":\t" in line)
-            last_cpu = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[36])
-            cmd = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        out.append({
-            "pid": p, "name": status.get("Name", "").strip(), "threads": int(status.get("Threads", "0")),
-            "cpus_allowed": status.get("Cpus_allowed_list", "").strip(), "last_cpu": last_cpu,
-            "args": " ".join(c.decode(errors="replace") for c in cmd[1:4])[:120],
-        })
-    return out
-
-
-async def _model_statistics(triton: TritonClient, model: str) -> ModelStats:
-    return (await read_statistics(triton, [model]))[model]
-
-
-# --- a closed loop of model calls ---------------------------------------------------------------------
-async def closed_loop(triton: TritonClient, model: str, x: np.ndarray, n: int, concurrency: int, pids: list[int]) -> dict:
-    lat: list[float] = []
-    rejected = failed = 0
-    it = iter(range(n))
-
-    async def caller() -> None:
-        nonlocal rejected, failed
-        for _ in it:
-            t = time.perf_counter()
-            try:
-                await triton.infer(model, {"features": x})
-            except OverloadedError:
-                rejected += 1
-                continue
-            except InferenceError:
-                failed += 1
-                continue
-            lat.append((time.perf_counter() - t) * 1e3)
-
-    warm_rejected = 0
-    for _ in range(50):
-        try:
-            await triton.infer(model, {"features": x})
-        except OverloadedError:
-            warm_rejected += 1
-    before = await _model_statistics(triton, model)
-    cpu0, wall0, own0 = cpu_seconds(pids), time.perf_counter(), time.process_time()
-    await asyncio.gather(*(caller() for _ in range(concurrency)))
-    wall, own, cpu = time.perf_counter() - wall0, time.process_time() - own0, cpu_seconds(pids) - cpu0
-    stats = await settled(lambda: _model_statistics(triton, model), lambda s: (s - before).success.count >= len(lat)) - before
-    done = len(lat)
-    return {
-        "requests": n, "served": done, "rejected": rejected, "failed": failed, "warmup_rejected": warm_rejected,
-        "req_per_s": done / wall, "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
-        "avg_batch": stats.inference_count / max(1, stats.execution_count),
-        "queue_us": stats.queue.ns / max(1, stats.queue.count) / 1e3,
-        "server_cpu_us_per_req": cpu / max(1, done) * 1e6, "client_cpu_us_per_req": own / max(1, done) * 1e6,
-    }
 
 
 def start_server(repository: Path, models: list[str], attempts: int = 3, cpus: list[int] | None = None) -> LocalTriton:
@@ -176,21 +65,6 @@ def start_server(repository: Path, models: list[str], attempts: int = 3, cpus: l
     raise AssertionError("unreachable")
 
 
-def variant_repository(src: Path, root: Path, delay_us: int, instances: int) -> Path:
-    """A repository holding `src` (a compiled model folder) with its delay and instance count replaced."""
-    dst = root / src.name
-    latest = max((d for d in src.iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
-    shutil.copytree(latest, dst / latest.name, symlinks=True)  # the latest version only: the config is written for it
-    shutil.copy2(src / "config.pbtxt", dst / "config.pbtxt")
-    cfg = (dst / "config.pbtxt").read_text()
-    cfg = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {delay_us}", cfg)
-    if "max_queue_delay_microseconds" not in cfg:
-        cfg = cfg.replace("dynamic_batching {", f"dynamic_batching {{\n  max_queue_delay_microseconds: {delay_us}", 1)
-    cfg = re.sub(r"(instance_group \{\s*count: )\d+", rf"\g<1>{instances}", cfg)
-    (dst / "config.pbtxt").write_text(cfg)
-    return root
-
-
 def served_settings(folder: Path) -> dict:
     cfg = (folder / "config.pbtxt").read_text()
     grab = lambda key: int(m.group(1)) if (m := re.search(rf"{key}: (\d+)", cfg)) else 0
@@ -198,128 +72,25 @@ def served_settings(folder: Path) -> dict:
             "default_timeout_us": grab("default_timeout_microseconds"), "max_queue_size": grab("max_queue_size")}
 
 
-async def batching_round(grpc_url: str, pid: int, conc: dict[int, int], pinned: bool = False) -> dict:
-    x = np.random.default_rng(0).random((1, 30), dtype=np.float32)
-    cpus = sorted(os.sched_getaffinity(0))
-    if pinned and len(cpus) >= 2:  # the client (this process, its gRPC threads too) on one core, the server on the rest
-        pin([os.getpid()], {cpus[0]})
-    async with TritonClient(grpc_url, deadline_s=5.0) as triton:
-        pids = server_processes(pid)
-        if pinned and len(cpus) >= 2:
-            pin(pids, set(cpus[1:]))
-        out = {f"c{c}": await closed_loop(triton, "fraud_xgb", x, n, c, pids) for c, n in conc.items()}
-        out["placement"] = placement(pids)
-    if pinned:
-        pin([os.getpid()], set(cpus))
-    return out
-
-
-def run_batching(repository: Path, rounds: int, conc: dict[int, int], only: list[str] | None = None) -> dict:
-    compiled = served_settings(repository / "fraud_xgb")
-    variants = {
-        "compiled": (compiled["max_queue_delay_us"], compiled["instances"]),
-        "delay 200 us, 2 instances (before)": (200, 2),
-        "delay 0, 2 instances": (0, 2),
-        "delay 0, 1 instance": (0, 1),
-        "delay 0, 2 instances, pinned (client 1 core, server the other)": (0, 2),
-    }
-    if only:
-        variants = {k: v for k, v in variants.items() if any(k.startswith(o) for o in only)}
-    results: dict = {k: [] for k in variants}
-    with tempfile.TemporaryDirectory(prefix="bench_rp_") as tmp:
-        repos = {k: variant_repository(repository / "fraud_xgb", Path(tmp) / f"v{i}", d, n) for i, (k, (d, n)) in enumerate(variants.items())}
-        for r in range(rounds):
-            order = list(variants) if r % 2 == 0 else list(reversed(variants))
-            for k in order:
-                server = start_server(repos[k], ["fraud_xgb"])
-                try:
-                    res = asyncio.run(batching_round(server.grpc_url, server.process.pid, conc, pinned="pinned" in k))
-                finally:
-                    server.stop()
-                res["round"] = r
-                results[k].append(res)
-                c64 = res.get("c64", {})
-                print(f"  batching {k} round {r}: " + ", ".join(f"{c}: p50 {v['p50_ms']:.2f} p99 {v['p99_ms']:.2f} {v['req_per_s']:.0f}/s rej {v['rejected']}"
-                                                              for c, v in res.items() if c.startswith("c")) + f" (c64 server CPU {c64.get('server_cpu_us_per_req', 0):.0f} us/req)")
-    return {"variants": {k: {"delay_us": d, "instances": n} for k, (d, n) in variants.items()}, "compiled": compiled, "runs": results}
-
-
 # --- fraud end to end and ranking -------------------------------------------------------------------
 OPEN_FRACTIONS = (0.5, 0.8)  # of the closed-loop maximum (64 callers)
 OPEN_SECONDS = 3.0
 
 
-async def closed_send(send, concurrency: int, n: int) -> dict:
-    """`concurrency` callers sending `n` requests in all through `send(i)`: requests served per second,
-    latency percentiles of the served ones, and how many failed (InferenceError / ServerError)."""
-    lat: list[float] = []
-    failed = 0
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(i: int) -> None:
-        nonlocal failed
-        async with sem:
-            t = time.perf_counter()
-            try:
-                await send(i)
-            except (InferenceError, ServerError):
-                failed += 1
-                return
-            lat.append((time.perf_counter() - t) * 1e3)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(n)))
-    wall = time.perf_counter() - t0
-    a = np.asarray(lat) if lat else np.asarray([np.nan])
-    return {"rate": len(lat) / wall, "served": len(lat), "failed": failed, "p50_ms": float(np.percentile(a, 50)),
-            "p99_ms": float(np.percentile(a, 99)), "wall_s": wall}
-
-
-async def closed_rate(send, concurrency: int, n: int) -> float:
-    """Requests served per second by `concurrency` callers sending `n` requests in all (failures not counted)."""
-    return (await closed_send(send, concurrency, n))["rate"]
-
-
-async def open_loop(triton: TritonClient, model: str, send, rate: float, seconds: float, rng: np.random.Generator) -> dict:
-    """Poisson arrivals at `rate`/s for `seconds` through the whole request path. Latency counts from each request's
-    scheduled time (a client that falls behind pays for it: no coordinated omission); the phases are Triton's
-    statistics joined with the client's timings, as diagnose's breakdown does."""
-    n = max(10, round(rate * seconds))
-    start = time.perf_counter() + 0.01
-    schedule = start + np.cumsum(rng.exponential(1.0 / rate, n))
-    latencies: list[float] = []
-    lags: list[float] = []
-    results: list = []
-    errors: dict[str, int] = {}
-
-    async def one(i: int, at: float) -> None:
-        lags.append((time.perf_counter() - at) * 1e3)
-        try:
-            r = await send(i)
-        except (InferenceError, ServerError) as exc:
-            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-            return
-        latencies.append((time.perf_counter() - at) * 1e3)
-        results.append(r)
-
+async def open_loop(triton: TritonClient, model: str, send, rate: float, seconds: float, seed: int) -> dict:
+    """Poisson arrivals at `rate`/s for `seconds` through the whole request path (harness.open_loop: latency from
+    each request's due time); the phases are Triton's statistics joined with the client's timings, as diagnose's
+    breakdown does."""
     before = await server_snapshot(triton, model)
-    tasks = []
-    for i, at in enumerate(schedule):
-        delay = at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i, float(at))))
-    await asyncio.gather(*tasks)
-    elapsed = time.perf_counter() - start
-    after = await settled(lambda: server_snapshot(triton, model), lambda s: s.success_count - before.success_count >= len(results))
-    if not results:
-        return {"rate": rate, "served": 0, "errors": errors}
-    b = breakdown("fraud", model, [r.timings_ms for r in results], len(results), before, after, sum(bool(r.degraded) for r in results))
-    lat = np.asarray(latencies)
+    (t,) = await harness.open_loop(send, rate, duration_s=seconds, seed=seed, keep=True)
+    after = await settled(lambda: server_snapshot(triton, model), lambda s: s.success_count - before.success_count >= t.ok)
+    if not t.ok:
+        return {"rate": rate, "served": 0, "errors": dict(t.errors)}
+    b = breakdown("fraud", model, [r.timings_ms for r in t.values], t.ok, before, after, sum(bool(r.degraded) for r in t.values))
+    p50, p99, p999 = t.percentiles("latencies_ms", (50, 99, 99.9))
     return {
-        "rate": rate, "sent": n, "served": len(results), "served_per_s": len(results) / elapsed, "errors": errors,
-        "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)), "p999_ms": float(np.percentile(lat, 99.9)),
-        "p99_from_send_ms": b.p99_total_ms, "send_lag_p99_ms": float(np.percentile(lags, 99)),
+        "rate": rate, "sent": t.sent, "served": t.ok, "served_per_s": t.ok / t.wall_s, "errors": dict(t.errors),
+        "p50_ms": p50, "p99_ms": p99, "p999_ms": p999, "p99_from_send_ms": b.p99_total_ms, "send_lag_p99_ms": float(np.percentile(t.lags_ms, 99)),
         "phases_mean_ms": b.phases_ms, "phase_p50_ms": b.client_phase_p50, "avg_batch": b.avg_batch, "dominant": b.dominant,
     }
 
@@ -347,10 +118,10 @@ async def run_paths(grpc_url: str, repo: Path, rounds: int, n_rank: int, quick: 
             }
             print(f"  fraud c{conc}: p50 {b.p50_total_ms:.2f} p99 {b.p99_total_ms:.2f} errors {b.errors}")
         # Open loop at fractions of the closed-loop maximum (64 callers), measured here, just before.
-        top = await closed_rate(send_fraud, 64, 2000 // (4 if quick else 1))
+        top = (await harness.closed_loop(send_fraud, 64, n=2000 // (4 if quick else 1))).summary()["rate"]
         out["fraud_max_per_s"] = top
         for f in OPEN_FRACTIONS:
-            o = await open_loop(triton, "fraud_xgb", send_fraud, f * top, OPEN_SECONDS / (4 if quick else 1), rng)
+            o = await open_loop(triton, "fraud_xgb", send_fraud, f * top, OPEN_SECONDS / (4 if quick else 1), seed=int(rng.integers(1 << 30)))
             out["fraud"][f"open_{round(f * 100)}pct"] = o
             print(f"  fraud open {f:.0%} of {top:,.0f}/s: served {o.get('served_per_s', 0):,.0f}/s p50 {o.get('p50_ms', float('nan')):.2f} "
                   f"p99 {o.get('p99_ms', float('nan')):.2f} errors {o['errors']}")
@@ -410,11 +181,11 @@ def run_paths_placed(repository: Path, repo: Path, placement: str, rounds: int, 
     server = start_server(repository, ["fraud_xgb", "ranking_xgb"], cpus=cpus[1:] if split else None)
     try:
         if split:
-            pin([os.getpid()], {cpus[0]})  # every thread of this process, gRPC's included
+            harness.pin([os.getpid()], {cpus[0]})  # every thread of this process, gRPC's included
         with asyncio.Runner(loop_factory=_event_loop_factory(loop)) as runner:
             out = runner.run(run_paths(server.grpc_url, repo, rounds, n_rank, quick, first_round))
     finally:
-        pin([os.getpid()], set(cpus))
+        harness.pin([os.getpid()], set(cpus))
         server.stop()
     out["cpus"] = {"client": cpus[:1] if split else cpus, "server": cpus[1:] if split else cpus}
     out["event_loop"] = loop
@@ -466,13 +237,6 @@ def render_history(history: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def render(result: dict) -> str:
     fmt = lambda x: "–" if x is None else f"{x:.2f}"
     m = result["machine"]
@@ -480,21 +244,6 @@ def render(result: dict) -> str:
              f"{m['cpus']} CPUs ({m['cpu_model']}), {m['platform']}, commit {m['commit']}, {m['date']}; load average before/after: "
              f"{' '.join(f'{x:.2f}' for x in m['loadavg_before'])} / {' '.join(f'{x:.2f}' for x in m['loadavg_after'])}; client and server share the cores."
              + (f" Note: {m['note']}" if m.get("note") else ""), ""]
-    if "batching" in result:
-        b = result["batching"]
-        carried = b.get("carried_from")
-        lines += ["## Batching settings: fraud_xgb model calls, closed loop (one server start per row)", "",
-                  *([f"Carried over from the run of {carried['date']} (commit {carried['commit']}): this run measured the request paths only.", ""] if carried else []),
-                  f"Compiled settings: {b['compiled']}. Each variant started {len(next(iter(b['runs'].values())))} times, in interleaved order.", "",
-                  "| variant | round | c1 p50 / p99 ms | c16 p50 / p99 ms · req/s | c64 p50 / p99 ms · req/s | c64 avg batch | rejected c1/c16/c64 | server CPU µs/req c64 | client CPU µs/req c1 / c64 |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for k, runs in b["runs"].items():
-            for run in runs:
-                c1, c16, c64 = run["c1"], run["c16"], run["c64"]
-                lines.append(f"| {k} | {run['round']} | {c1['p50_ms']:.2f} / {c1['p99_ms']:.2f} | {c16['p50_ms']:.2f} / {c16['p99_ms']:.2f} · {c16['req_per_s']:.0f} | "
-                             f"{c64['p50_ms']:.2f} / {c64['p99_ms']:.2f} · {c64['req_per_s']:.0f} | {c64['avg_batch']:.1f} | {c1['rejected']}/{c16['rejected']}/{c64['rejected']} | "
-                             f"{c64['server_cpu_us_per_req']:.0f} | {c1['client_cpu_us_per_req']:.0f} / {c64['client_cpu_us_per_req']:.0f} |")
-        lines.append("")
     for placement, runs in (result.get("paths") or {}).items():
         cpus = runs[0]["cpus"] if runs else {}
         where = ("client and Triton on every core" if cpus.get("client") == cpus.get("server") else
@@ -529,13 +278,6 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cpu_model() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
@@ -544,12 +286,14 @@ def main() -> None:
                     help="the client's event loops for the request paths, comma-separated, each side by side with the others "
                          "(asyncio: the default loop; uvloop: what uvicorn runs a service on when it is installed)")
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run, not for the results)")
-    ap.add_argument("--only", choices=("batching", "paths"), help="run one part")
-    ap.add_argument("--variants", default="", help="batching: comma-separated variant names to run (default: all)")
     ap.add_argument("--out", default="request_path", help="results name under benchmarks/results/")
     ap.add_argument("--note", default="", help="a line about the conditions of this run, kept in the results")
     ap.add_argument("--recompile", action="store_true", help="compile the demo models again even when unchanged (after a change to the compiler)")
     args = ap.parse_args()
+    loops = [x.strip() for x in args.loop.split(",") if x.strip()]
+    bad = [x for x in loops if x not in ("asyncio", "uvloop")]
+    if bad or not loops:
+        ap.error(f"--loop: {bad or 'none given'}; choose from asyncio, uvloop (comma-separated)")
     ws = paths.workspace()
     specs = {p.stem: p for p in train_demo_models(ws / "models")}
     repository = ws / "model_repository"
@@ -560,58 +304,32 @@ def main() -> None:
     init_repo(repo, online="redis", redis_url=redis_url, project="bench_request_path")
     store.apply(repo)
     store.materialize(repo)
-    conc = {c: n // (10 if args.quick else 1) for c, n in CONCURRENCY.items()}
     load_before = os.getloadavg()
     t = time.time()
-    result: dict = {}
-    if args.only in (None, "batching"):
-        result["batching"] = run_batching(repository, args.rounds, conc, [v.strip() for v in args.variants.split(",") if v.strip()])
-    if args.only in (None, "paths"):
-        # Each placement and event loop on its own server start, in alternating order over the rounds.
-        loops = [x.strip() for x in args.loop.split(",") if x.strip()]
-        bad = [x for x in loops if x not in ("asyncio", "uvloop")]
-        if bad or not loops:
-            ap.error(f"--loop: {bad or 'none given'}; choose from asyncio, uvloop (comma-separated)")
-        plan = [(p, lp) for p in PLACEMENTS for lp in loops]
-        runs: dict[str, list[dict]] = {(p if lp == "asyncio" else f"{p}, {lp}"): [] for p, lp in plan}
-        n_rank = max(2, args.ranking_requests // (5 if args.quick else 1))
-        for r in range(args.rounds):
-            for placement, loop in plan if r % 2 == 0 else list(reversed(plan)):
-                print(f"paths, placement {placement}, event loop {loop}, round {r}", flush=True)
-                # first_round=r: the ranking plans' order turns over with the rounds as the placements' does.
-                run = run_paths_placed(repository, repo, placement, 1, n_rank, args.quick, loop, first_round=r)
-                run["round"] = r
-                runs[placement if loop == "asyncio" else f"{placement}, {loop}"].append(run)
-        result["paths"] = runs
-        result["served_settings"] = {"fraud_xgb": served_settings(repository / "fraud_xgb"), "ranking_xgb": served_settings(repository / "ranking_xgb")}
-    result["machine"] = {
-        "cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(), "seconds": round(time.time() - t, 1),
-        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "commit": git_commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick, "note": args.note,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    previous_file = RESULTS / f"{args.out}.json"
-    if args.only and previous_file.exists():
-        # A partial run keeps the other part's results from the file, saying when they were measured.
-        previous = json.loads(previous_file.read_text())
-        if args.only == "paths" and "batching" in previous:
-            result["batching"] = previous["batching"]
-            result["batching"].setdefault("carried_from", {k: previous["machine"].get(k) for k in ("date", "commit")})
-        elif args.only == "batching":
-            for key in ("paths", "served_settings"):
-                if key in previous:
-                    result[key] = previous[key]
-            result["paths_carried_from"] = {k: previous["machine"].get(k) for k in ("date", "commit")}
-    if previous_file.exists() and "paths" in result:
+    # Each placement and event loop on its own server start, in alternating order over the rounds.
+    plan = [(p, lp) for p in PLACEMENTS for lp in loops]
+    runs: dict[str, list[dict]] = {(p if lp == "asyncio" else f"{p}, {lp}"): [] for p, lp in plan}
+    n_rank = max(2, args.ranking_requests // (5 if args.quick else 1))
+    for r in range(args.rounds):
+        for placement, loop in plan if r % 2 == 0 else list(reversed(plan)):
+            print(f"paths, placement {placement}, event loop {loop}, round {r}", flush=True)
+            # first_round=r: the ranking plans' order turns over with the rounds as the placements' does.
+            run = run_paths_placed(repository, repo, placement, 1, n_rank, args.quick, loop, first_round=r)
+            run["round"] = r
+            runs[placement if loop == "asyncio" else f"{placement}, {loop}"].append(run)
+    result: dict = {"paths": runs, "served_settings": {m: served_settings(repository / m) for m in ("fraud_xgb", "ranking_xgb")}}
+    result["machine"] = harness.machine(seconds=round(time.time() - t, 1), loadavg_before=load_before, loadavg_after=os.getloadavg(),
+                                        quick=args.quick, note=args.note)
+    previous_file = harness.RESULTS / f"{args.out}.json"
+    if previous_file.exists():
         # Earlier runs' headline numbers stay in the file (newest first), so a noisy machine's spread is on record.
         previous = json.loads(previous_file.read_text())
         if previous.get("paths"):
             result["history"] = [summarize_paths(previous), *previous.get("history", [])][:12]
         elif previous.get("history"):
             result["history"] = previous["history"][:12]
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     text = render(result)
-    (RESULTS / f"{args.out}.md").write_text(text)
+    harness.write_results(args.out, result, text)
     print(text)
 
 

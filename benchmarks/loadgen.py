@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing as mp
 import os
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
+import psutil
+
+import harness
 
 GRPC_INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
-PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+PERCENTILES = harness.PERCENTILES
 # Triton's queue policy answers UNAVAILABLE with these messages (an unreachable server too: tell
 # them apart by the message, docs/platform-notes.md).
 _REJECTION_MESSAGES = ("request timeout expired", "exceeds maximum queue size", "maximum queue size")
@@ -94,41 +95,7 @@ def http_target(name: str, address: str, path: str, bodies: Sequence[dict], *, d
     return Target(name, "http", address, tuple(payloads), model=path, description=description, deadline_s=deadline_s)
 
 
-# -- jobs and results ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Job:
-    target: Target
-    mode: str  # "closed" | "open"
-    concurrency: int = 1  # closed loop: callers in this worker
-    rate: float = 0.0  # open loop: arrivals per second in this worker
-    duration_s: float = 3.0
-    warmup_s: float = 0.5
-    start_at: float = 0.0  # time.monotonic() (system-wide) at which the warm-up starts
-    seed: int = 0
-    max_inflight: int = 4096  # open loop: arrivals beyond this many outstanding are dropped (counted)
-    http_client: str = "raw"  # "raw" | "aiohttp"
-    grpc_client: str = "raw"  # "raw" | "tritonclient"
-
-
-@dataclass
-class WorkerResult:
-    latencies_ms: np.ndarray
-    sent_latencies_ms: np.ndarray
-    sent: int
-    ok: int
-    errors: dict[str, int]
-    error_samples: dict[str, str]
-    dropped: int  # open loop: scheduled but not sent (client backlog above max_inflight)
-    scheduled: int
-    cpu_s: float
-    wall_s: float
-    send_lag_ms_p99: float  # open loop: how late the client sent, 99th percentile
-    affinity: list[int]
-    last_cpu: int
-    preflight: str  # "" if the preflight request succeeded, else why not
-    sent_total: int = 0  # every request sent, warm-up included (preflight excluded)
-
-
+# -- results --------------------------------------------------------------------------------------
 @dataclass
 class Result:
     target: str
@@ -140,7 +107,7 @@ class Result:
     ok: int
     errors: dict[str, int]
     error_samples: dict[str, str]
-    dropped: int
+    dropped: int  # open loop: due but never sent (the client too far behind)
     scheduled: int
     throughput: float  # successful responses per second
     achieved_rate: float  # requests sent per second
@@ -168,49 +135,37 @@ class Result:
         return asdict(self)
 
 
-def summarize(target: Target, job: Job, parts: list[WorkerResult], rate: float, concurrency: int) -> Result:
-    lat = np.concatenate([p.latencies_ms for p in parts]) if parts else np.zeros(0)
-    lat_sent = np.concatenate([p.sent_latencies_ms for p in parts]) if parts else np.zeros(0)
-    errors: dict[str, int] = {}
-    samples: dict[str, str] = {}
-    for p in parts:
-        for k, v in p.errors.items():
-            errors[k] = errors.get(k, 0) + v
-        for k, v in p.error_samples.items():
-            samples.setdefault(k, v)
-    sent = sum(p.sent for p in parts)
-    ok = sum(p.ok for p in parts)
-    cpu = sum(p.cpu_s for p in parts)
-    wall = max((p.wall_s for p in parts), default=job.duration_s) or job.duration_s
-    pct = np.percentile(lat, PERCENTILES) if len(lat) else [float("nan")] * len(PERCENTILES)
+def summarize(target: Target, mode: str, duration_s: float, parts: list[harness.Tally], where: list[dict], rate: float, concurrency: int) -> Result:
+    t = harness.Tally.merge(parts)
+    s = t.summary()
+    wall = max((p.wall_s for p in parts), default=duration_s) or duration_s
     return Result(
-        target=target.name, mode=job.mode, concurrency=concurrency, rate=rate, duration_s=job.duration_s,
-        sent=sent, ok=ok, errors=errors, error_samples=samples, dropped=sum(p.dropped for p in parts),
-        scheduled=sum(p.scheduled for p in parts), throughput=ok / job.duration_s, achieved_rate=sent / job.duration_s,
-        p50_ms=float(pct[0]), p90_ms=float(pct[1]), p99_ms=float(pct[2]), p999_ms=float(pct[3]),
-        mean_ms=float(lat.mean()) if len(lat) else float("nan"), max_ms=float(lat.max()) if len(lat) else float("nan"),
-        client_cpu_cores=cpu / wall, client_cpu_us_per_request=1e6 * cpu / max(sent, 1),
-        send_lag_ms_p99=max((p.send_lag_ms_p99 for p in parts), default=0.0),
-        workers=[{"affinity": p.affinity, "last_cpu": p.last_cpu, "cpu_cores": round(p.cpu_s / max(p.wall_s, 1e-9), 3)} for p in parts],
-        sent_total=sum(p.sent_total for p in parts),
-        p50_from_send_ms=float(np.percentile(lat_sent, 50)) if len(lat_sent) else float("nan"),
-        p99_from_send_ms=float(np.percentile(lat_sent, 99)) if len(lat_sent) else float("nan"),
+        target=target.name, mode=mode, concurrency=concurrency, rate=rate, duration_s=duration_s, sent=t.sent, ok=t.ok,
+        errors=dict(t.errors), error_samples=t.error_samples, dropped=t.unsent, scheduled=t.scheduled if mode == "open" else t.sent,
+        throughput=t.ok / duration_s, achieved_rate=t.sent / duration_s, p50_ms=s["p50_ms"], p90_ms=s["p90_ms"], p99_ms=s["p99_ms"],
+        p999_ms=s["p999_ms"], mean_ms=s["mean_ms"], max_ms=s["max_ms"], client_cpu_cores=t.cpu_s / wall,
+        client_cpu_us_per_request=1e6 * t.cpu_s / max(t.sent, 1), send_lag_ms_p99=s.get("send_lag_ms_p99", 0.0),
+        workers=[{**w, "cpu_cores": round(p.cpu_s / max(p.wall_s, 1e-9), 3)} for w, p in zip(where, parts)],
+        sent_total=sum(p.sent_all for p in parts),
+        p50_from_send_ms=s.get("p50_from_send_ms", float("nan")), p99_from_send_ms=s.get("p99_from_send_ms", float("nan")),
     )
 
 
-# -- the worker side -------------------------------------------------------------------------------
-def _classify_grpc(exc: BaseException) -> tuple[str, str]:
+# -- the worker side (a harness session) -----------------------------------------------------------
+def _classify_grpc(exc: BaseException) -> str:
     import grpc
 
-    if isinstance(exc, grpc.aio.AioRpcError) or isinstance(exc, grpc.RpcError):
+    if isinstance(exc, (grpc.aio.AioRpcError, grpc.RpcError)):
         code = exc.code()
-        text = exc.details() or ""
-        if code == grpc.StatusCode.UNAVAILABLE and any(m in text.lower() for m in _REJECTION_MESSAGES):
-            return "rejected", text
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return "deadline", text
-        return code.name.lower(), text
-    return type(exc).__name__, str(exc)
+        if code == grpc.StatusCode.UNAVAILABLE and any(m in (exc.details() or "").lower() for m in _REJECTION_MESSAGES):
+            return "rejected"
+        return "deadline" if code == grpc.StatusCode.DEADLINE_EXCEEDED else code.name.lower()
+    return type(exc).__name__
+
+
+def _grpc_text(exc: BaseException) -> str:
+    details = getattr(exc, "details", None)
+    return (details() if callable(details) else "") or str(exc)
 
 
 class _GrpcSender:
@@ -225,9 +180,8 @@ class _GrpcSender:
         if client == "tritonclient":
             from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pbg
 
-            stub = pbg.GRPCInferenceServiceStub(self.channel)
             self.payloads = [pb.ModelInferRequest.FromString(p) for p in target.payloads]
-            self.call = stub.ModelInfer
+            self.call = pbg.GRPCInferenceServiceStub(self.channel).ModelInfer
         else:
             self.payloads = list(target.payloads)
             self.call = self.channel.unary_unary(GRPC_INFER_PATH)  # bytes in, bytes out
@@ -236,8 +190,7 @@ class _GrpcSender:
     async def send(self, i: int) -> None:
         await self.call(self.payloads[i % len(self.payloads)], timeout=self.timeout)
 
-    def classify(self, exc: BaseException) -> tuple[str, str]:
-        return _classify_grpc(exc)
+    classify = staticmethod(_classify_grpc)
 
     async def preflight(self) -> str:
         from tritonclient.grpc import service_pb2 as pb
@@ -248,15 +201,12 @@ class _GrpcSender:
                 raw = await call(self.target.payloads[0], timeout=min(self.timeout, 10.0))
                 break
             except Exception as exc:  # reported to the caller with the server's words
-                kind, text = self.classify(exc)
+                kind = self.classify(exc)
                 # A queue-policy rejection means "busy", not "misconfigured": try again shortly.
                 if kind != "rejected" or attempt == 9:
-                    return f"{kind}: {text}"
+                    return f"{kind}: {_grpc_text(exc)}"
                 await asyncio.sleep(0.05 * (attempt + 1))
-        resp = pb.ModelInferResponse.FromString(raw)
-        if not resp.outputs:
-            return "the response has no outputs"
-        return ""
+        return "" if pb.ModelInferResponse.FromString(raw).outputs else "the response has no outputs"
 
     async def close(self) -> None:
         await self.channel.close()
@@ -362,21 +312,19 @@ class _HttpSender:
             if r.status != 200:
                 raise _HttpError(r.status, data)
 
-    def classify(self, exc: BaseException) -> tuple[str, str]:
+    def classify(self, exc: BaseException) -> str:
         if isinstance(exc, _HttpError):
-            return ("rejected" if exc.status in (429, 503) else f"http_{exc.status}"), str(exc)
+            return "rejected" if exc.status in (429, 503) else f"http_{exc.status}"
         if isinstance(exc, asyncio.TimeoutError):
-            return "deadline", f"no answer within {self.timeout} s"
-        if isinstance(exc, OSError):
-            return "unavailable", f"{type(exc).__name__}: {exc}"
-        return type(exc).__name__, str(exc)
+            return "deadline"
+        return "unavailable" if isinstance(exc, OSError) else type(exc).__name__
 
     async def preflight(self) -> str:
         try:
             conn = await self._connect()
             status, body = await asyncio.wait_for(conn.request(self.target.payloads[0]), min(self.timeout, 10.0))
         except Exception as exc:  # reported with its reason
-            return "%s: %s" % self.classify(exc)
+            return f"{self.classify(exc)}: {type(exc).__name__}: {exc}"
         self.idle.append(conn)
         if status != 200:
             return f"HTTP {status}: {body[:300].decode(errors='replace')}"
@@ -394,146 +342,42 @@ class _HttpSender:
             await self.session.close()
 
 
-class _Recorder:
-    def __init__(self, window_start: float, window_end: float) -> None:
-        self.t0, self.t1 = window_start, window_end
-        self.lat: list[float] = []
-        self.lat_sent: list[float] = []  # from the actual send (open loop: without the client's own lateness)
-        self.sent = self.ok = 0
-        self.errors: dict[str, int] = {}
-        self.samples: dict[str, str] = {}
+class _Session:
+    """What a harness worker holds for a target: its sender, and where the worker runs."""
 
-    def counts(self, t_sched: float) -> bool:
-        return self.t0 <= t_sched < self.t1
+    def __init__(self, settings: dict) -> None:
+        self.settings = settings
+        self.sender = None
 
+    async def __aenter__(self) -> "_Session":
+        return self
 
-async def _one(sender, rec: _Recorder, i: int, t_sched: float, counted: bool) -> None:
-    t_sent = time.monotonic()
-    try:
-        await sender.send(i)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # every failure is counted by kind
-        if counted:
-            kind, text = sender.classify(exc)
-            rec.errors[kind] = rec.errors.get(kind, 0) + 1
-            rec.samples.setdefault(kind, text[:300])
-        return
-    if counted:
-        rec.ok += 1
-        t = time.monotonic()
-        rec.lat.append(t - t_sched)
-        rec.lat_sent.append(t - t_sent)
+    async def __aexit__(self, *exc: object) -> None:
+        if self.sender is not None:
+            await self.sender.close()
+
+    async def use(self, target: Target) -> str:
+        """Switch to `target` and send one preflight request: "" when it answered, else why not."""
+        if self.sender is not None and self.sender.target != target:
+            await self.sender.close()
+            self.sender = None
+        if self.sender is None:
+            client = self.settings["grpc_client"] if target.protocol == "grpc" else self.settings["http_client"]
+            self.sender = (_GrpcSender if target.protocol == "grpc" else _HttpSender)(target, client)
+        self.send, self.classify = self.sender.send, self.sender.classify
+        return await self.sender.preflight()
+
+    async def where(self) -> dict:
+        return {"affinity": sorted(os.sched_getaffinity(0)), "last_cpu": psutil.Process().cpu_num()}
 
 
-async def _run_job(job: Job) -> WorkerResult:
-    target = job.target
-    sender = _GrpcSender(target, job.grpc_client) if target.protocol == "grpc" else _HttpSender(target, job.http_client)
-    try:
-        reason = await sender.preflight()
-        affinity = sorted(os.sched_getaffinity(0))
-        if reason:
-            return WorkerResult(np.zeros(0), np.zeros(0), 0, 0, {}, {}, 0, 0, 0.0, 0.0, 0.0, affinity, -1, reason)
-        loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        if job.start_at > now:
-            await asyncio.sleep(job.start_at - now)
-        start = max(job.start_at, time.monotonic())
-        w0, w1 = start + job.warmup_s, start + job.warmup_s + job.duration_s
-        rec = _Recorder(w0, w1)
-        cpu_mark: list[float] = []
-
-        async def mark_cpu() -> None:
-            await asyncio.sleep(max(0.0, w0 - time.monotonic()))
-            t = os.times()
-            cpu_mark.append(t.user + t.system)
-            cpu_mark.append(time.monotonic())
-
-        marker = asyncio.ensure_future(mark_cpu())
-        lags: list[float] = []
-        dropped = scheduled = sent_total = 0
-        if job.mode == "closed":
-            counter = iter(range(1 << 62))
-
-            async def caller() -> None:
-                nonlocal sent_total
-                while True:
-                    t = time.monotonic()
-                    if t >= w1:
-                        return
-                    sent_total += 1
-                    counted = t >= w0
-                    if counted:
-                        rec.sent += 1
-                    await _one(sender, rec, next(counter), t, counted)
-
-            await asyncio.gather(*(caller() for _ in range(job.concurrency)))
-        else:
-            rng = random.Random(job.seed)
-            tasks: set[asyncio.Task] = set()
-            t_next = start
-            i = 0
-            while t_next < w1:
-                now = time.monotonic()
-                while t_next <= now and t_next < w1:
-                    counted = rec.counts(t_next)
-                    if counted:
-                        scheduled += 1
-                        lags.append(now - t_next)
-                    if len(tasks) >= job.max_inflight:
-                        dropped += counted
-                    else:
-                        if counted:
-                            rec.sent += 1
-                        sent_total += 1
-                        task = loop.create_task(_one(sender, rec, i, t_next, counted))
-                        tasks.add(task)
-                        task.add_done_callback(tasks.discard)
-                    i += 1
-                    t_next += rng.expovariate(job.rate)
-                if t_next < w1:
-                    await asyncio.sleep(max(0.0, t_next - time.monotonic()))
-            if tasks:
-                await asyncio.wait(tasks, timeout=target.deadline_s + 5)
-        await marker
-        t = os.times()
-        cpu_s = (t.user + t.system) - cpu_mark[0]
-        wall_s = time.monotonic() - cpu_mark[1]
-        lat_ms = np.asarray(rec.lat, dtype=np.float64) * 1e3
-        lag = float(np.percentile(lags, 99) * 1e3) if lags else 0.0
-        last_cpu = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[36])
-        return WorkerResult(lat_ms, np.asarray(rec.lat_sent, dtype=np.float64) * 1e3, rec.sent, rec.ok, rec.errors, rec.samples, dropped, scheduled if job.mode == "open" else rec.sent,
-                            cpu_s, wall_s, lag, affinity, last_cpu, "", sent_total)
-    finally:
-        await sender.close()
-
-
-def _worker_main(conn, cpus: list[int] | None) -> None:
-    # gRPC's older client poller, as scorestack's clients use it (scorestack/__init__.py): read when
-    # grpc is first imported, which in this spawned process happens after this line.
-    os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client")
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    if os.environ.get("LOADGEN_LOOP", "uvloop") == "uvloop":
-        try:
-            import uvloop
-
-            uvloop.install()
-        except ImportError:
-            pass
-    while True:
-        job = conn.recv()
-        if job is None:
-            return
-        try:
-            conn.send(asyncio.run(_run_job(job)))
-        except Exception as exc:  # sent back to the parent, which raises it with the target's name
-            conn.send(exc)
+def session(settings: dict, index: int) -> _Session:
+    return _Session(settings)
 
 
 # -- the parent side -------------------------------------------------------------------------------
 class LoadGenerator:
-    """A pool of load worker processes, kept across measurements (spawned once).
+    """A pool of load worker processes (harness.Workers), kept across measurements (spawned once).
 
     `cpus`: pin the workers to these cores (round-robin one core per worker when there are as
     many cores as workers, else the whole set). `server_pids`: a callable returning the process
@@ -543,35 +387,15 @@ class LoadGenerator:
     def __init__(self, workers: int = 1, cpus: Sequence[int] | None = None, http_client: str = "raw", grpc_client: str = "raw") -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        self.http_client = http_client
-        self.grpc_client = grpc_client
-        ctx = mp.get_context("spawn")  # no fork after grpc or Triton clients exist in the parent
-        self._conns = []
-        self._procs = []
-        for w in range(workers):
-            pin = None
-            if cpus:
-                pin = [list(cpus)[w % len(cpus)]] if len(cpus) >= workers else list(cpus)
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(child, pin), name=f"loadgen-{w}", daemon=True)
-            p.start()
-            self._conns.append(parent)
-            self._procs.append(p)
+        uvloop = os.environ.get("LOADGEN_LOOP", "uvloop") == "uvloop"
+        self._pool = harness.Workers(workers, "loadgen:session", {"http_client": http_client, "grpc_client": grpc_client, "uvloop": uvloop}, cpus=cpus)
 
     @property
     def workers(self) -> int:
-        return len(self._procs)
+        return self._pool.n
 
     def close(self) -> None:
-        for c in self._conns:
-            try:
-                c.send(None)
-            except OSError:
-                pass
-        for p in self._procs:
-            p.join(5)
-            if p.is_alive():
-                p.terminate()
+        self._pool.close()
 
     def __enter__(self) -> "LoadGenerator":
         return self
@@ -584,50 +408,47 @@ class LoadGenerator:
         """`concurrency` callers (split over the workers) for `duration_s` after `warmup_s`."""
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-        n = min(self.workers, concurrency)
-        shares = [concurrency // n + (1 if w < concurrency % n else 0) for w in range(n)]
-        jobs = [Job(target, "closed", concurrency=s, duration_s=duration_s, warmup_s=warmup_s, seed=w,
-                    http_client=self.http_client, grpc_client=self.grpc_client) for w, s in enumerate(shares)]
-        return self._run(target, jobs, server_pids, rate=0.0, concurrency=concurrency)
+        shares = harness.split(concurrency, min(self.workers, concurrency))
+        jobs = [{"concurrency": c, "duration_s": duration_s, "warmup_s": warmup_s} for c in shares]
+        return self._run(target, "closed", jobs, duration_s, warmup_s, server_pids, 0.0, concurrency)
 
     def open(self, target: Target, rate: float, duration_s: float = 3.0, warmup_s: float = 0.5, max_inflight: int = 4096,
              server_pids: Callable[[], list[int]] | None = None, seed: int = 0) -> Result:
         """Poisson arrivals at `rate` per second (split over the workers); latency from the scheduled send time."""
         if rate <= 0:
             raise ValueError(f"rate must be > 0 requests/s, got {rate}")
-        jobs = [Job(target, "open", rate=rate / self.workers, duration_s=duration_s, warmup_s=warmup_s, seed=seed * 1000 + w,
-                    max_inflight=max_inflight, http_client=self.http_client, grpc_client=self.grpc_client) for w in range(self.workers)]
-        return self._run(target, jobs, server_pids, rate=rate, concurrency=0)
+        jobs = [{"rate": rate / self.workers, "duration_s": duration_s, "warmup_s": warmup_s, "seed": seed * 1000 + w,
+                 "offset": w, "stride": self.workers, "max_inflight": max_inflight} for w in range(self.workers)]
+        return self._run(target, "open", jobs, duration_s, warmup_s, server_pids, rate, 0)
 
-    def _run(self, target: Target, jobs: list[Job], server_pids, rate: float, concurrency: int) -> Result:
-        # Workers connect and send one preflight request first; all start together at start_at.
-        start_at = time.monotonic() + 0.5
-        jobs = [Job(**{**j.__dict__, "start_at": start_at}) for j in jobs]
-        for c, j in zip(self._conns, jobs):
-            c.send(j)
-        cpu0 = None
-        if server_pids is not None:
-            time.sleep(max(0.0, start_at + jobs[0].warmup_s - time.monotonic()))
-            cpu0 = (_tree_cpu(server_pids()), time.monotonic())
-            time.sleep(max(0.0, start_at + jobs[0].warmup_s + jobs[0].duration_s - time.monotonic()))
-            cpu1 = (_tree_cpu(server_pids()), time.monotonic())
-        parts = []
-        for c in self._conns[: len(jobs)]:
-            if not c.poll(jobs[0].warmup_s + jobs[0].duration_s + target.deadline_s + 60):
-                raise LoadGenError(f"target {target.name}: a load worker did not answer")
-            got = c.recv()
-            if isinstance(got, Exception):
-                raise LoadGenError(f"target {target.name}: load worker failed: {type(got).__name__}: {got}") from got
-            parts.append(got)
-        failed = [p.preflight for p in parts if p.preflight]
+    def _run(self, target: Target, mode: str, jobs: list[dict], duration_s: float, warmup_s: float, server_pids, rate: float, concurrency: int) -> Result:
+        n = len(jobs)
+        try:
+            failed = [r for r in self._pool.run("use", [{"target": target}] * n, timeout_s=target.deadline_s + 60) if r]
+        except harness.WorkerError as exc:
+            raise LoadGenError(f"target {target.name}: load worker failed: {exc}") from exc
         if failed:
             what = f"model {target.model!r}" if target.protocol == "grpc" else f"path {target.model!r}"
             raise LoadGenError(f"target {target.name} ({target.protocol} {target.address}, {what}): the first request failed: {failed[0]}")
-        res = summarize(target, jobs[0], parts, rate, concurrency)
-        if cpu0 is not None:
-            busy = cpu1[0] - cpu0[0]
-            res.server_cpu_cores = busy / max(cpu1[1] - cpu0[1], 1e-9)
-            res.server_cpu_us_per_request = 1e6 * busy / max(res.sent, 1)
+        # All workers start together at start_at; the server's CPU is read over the counted span.
+        start_at = time.monotonic() + 0.2
+        self._pool.send(mode, [{**j, "start_at": start_at} for j in jobs])
+        cpu = None
+        if server_pids is not None:
+            time.sleep(max(0.0, start_at + warmup_s - time.monotonic()))
+            cpu0 = (harness.cpu_seconds(server_pids()), time.monotonic())
+            time.sleep(max(0.0, start_at + warmup_s + duration_s - time.monotonic()))
+            cpu = (harness.cpu_seconds(server_pids()) - cpu0[0], time.monotonic() - cpu0[1])
+        try:
+            got = self._pool.gather(warmup_s + 2 * duration_s + target.deadline_s + 60, n)
+            where = self._pool.run("where", [{}] * n, timeout_s=30)
+        except harness.WorkerError as exc:
+            raise LoadGenError(f"target {target.name}: load worker failed: {exc}") from exc
+        parts = [g[0] if mode == "open" else g for g in got]
+        res = summarize(target, mode, duration_s, parts, where, rate, concurrency)
+        if cpu is not None:
+            res.server_cpu_cores = cpu[0] / max(cpu[1], 1e-9)
+            res.server_cpu_us_per_request = 1e6 * cpu[0] / max(res.sent, 1)
         return res
 
 
@@ -722,30 +543,6 @@ def _h2load(target: Target, extra: list[str], clients: int, streams: int, durati
         "p50_ms": float(pct[0]), "p90_ms": float(pct[1]), "p99_ms": float(pct[2]), "p999_ms": float(pct[3]), "max_ms": float(lat.max()) if len(lat) else float("nan"),
         "client_cpu_cores": cpu / max(wall, 1e-9), "h2load_summary": summary,
     }
-
-
-def _tree_cpu(pids: list[int]) -> float:
-    """CPU seconds (user + system) of these processes and all their descendants."""
-    import psutil
-
-    total = 0.0
-    seen: set[int] = set()
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-        for p in procs:
-            if p.pid in seen:
-                continue
-            seen.add(p.pid)
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-    return total
 
 
 def main() -> None:

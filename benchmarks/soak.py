@@ -45,7 +45,6 @@ redis://127.0.0.1:6379/0), and the local Triton started on free ports.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import math
@@ -55,10 +54,11 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable
 
 import numpy as np
 
+import harness
 from scorestack.demo import data as demo_data
 from scorestack.client.fraud import FraudScore, FraudService
 from scorestack.client.triton import TritonClient
@@ -74,516 +74,95 @@ MAX_P99_RATIO = 1.5
 # Above this much CPU (in % of one core) used by other processes, the report flags a shared machine.
 SHARED_OTHER_PCT = 25.0
 
-Send = Callable[[], Awaitable[FraudScore]]
-
-
-# --- resident memory, read from /proc (the local Triton runs on Linux only) ------------------------
-
-
-def rss_mib(pid: int) -> float | None:
-    """VmRSS of `pid` in MiB, or None if the process is gone (or is a zombie, which has no VmRSS)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0  # the kernel reports kB
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return None
-
-
-def _process_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
-def descendants(root: int) -> list[int]:
-    """Every process below `root` (children, grandchildren...), from the ppid field of /proc/*/stat."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # exited while we were scanning
-            continue
-        # comm (field 2) is in parentheses and may itself contain spaces or ')': split after the last ')'.
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [], list(children.get(root, []))
-    while stack:
-        pid = stack.pop()
-        found.append(pid)
-        stack.extend(children.get(pid, []))
-    return sorted(found)
-
-
-def memory_sample(server_pid: int, client_pids: list[int] | None = None) -> dict[str, Any]:
-    """RSS of tritonserver, its descendants (the Python backend stubs) summed, and the client processes summed."""
-    stubs = [(pid, rss_mib(pid)) for pid in descendants(server_pid)]
-    stubs = [(pid, rss) for pid, rss in stubs if rss is not None]
-    server = rss_mib(server_pid) or 0.0
-    stubs_total = sum(rss for _, rss in stubs)
-    clients = client_pids or [os.getpid()]
-    return {
-        "tritonserver_mib": round(server, 1),
-        "stubs_mib": round(stubs_total, 1),
-        "n_stubs": len(stubs),
-        "server_total_mib": round(server + stubs_total, 1),
-        "client_mib": round(sum(rss_mib(pid) or 0.0 for pid in clients), 1),
-        "n_clients": len(clients),
-        "stubs": [{"pid": pid, "name": _process_name(pid), "rss_mib": round(rss, 1)} for pid, rss in stubs],
-    }
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int | str) -> float:
-    """User + system CPU time of `pid` (or "pid/task/tid", one thread) so far; 0 if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()  # fields from 3 (state) on: utime is 14, stime 15
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def host_busy_seconds() -> float:
-    """CPU time the whole machine spent busy (all cores): the first line of /proc/stat minus idle and iowait."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    return (sum(ticks) - ticks[3] - ticks[4]) / _TICK
-
-
-class CpuMeter:
-    """CPU used between two `lap`s, in % of one core: the client processes, tritonserver + stubs, the machine.
-
-    A soak on a shared machine can stall because something else took the cores; `other_pct`
-    (machine minus client minus server; Redis is in it) tells that apart from a stall of our own.
-    `client_loop_thread_pct` is the busiest client's main thread (its event loop): near 100% of a
-    core, that client is the bottleneck.
-    """
-
-    def __init__(self, server_pid: int, client_pids: list[int] | None = None) -> None:
-        self.server_pid = server_pid
-        self.client_pids = client_pids or [os.getpid()]
-        self._last = self._read()
-
-    def _read(self) -> tuple[float, float, list[float], float, float]:
-        server = cpu_seconds(self.server_pid) + sum(cpu_seconds(p) for p in descendants(self.server_pid))
-        clients = sum(cpu_seconds(pid) for pid in self.client_pids)
-        loops = [cpu_seconds(f"{pid}/task/{pid}") for pid in self.client_pids]
-        return time.monotonic(), clients, loops, server, host_busy_seconds()
-
-    def lap(self) -> dict[str, float]:
-        now = self._read()
-        (t0, c0, l0, s0, h0), (t1, c1, l1, s1, h1) = self._last, now
-        self._last = now
-        wall = max(t1 - t0, 1e-9)
-        client, server, host = (c1 - c0) / wall * 100, (s1 - s0) / wall * 100, (h1 - h0) / wall * 100
-        return {
-            "client_pct": round(client, 1),
-            "client_loop_thread_pct": round(max((b - a) for a, b in zip(l0, l1)) / wall * 100, 1),
-            "server_pct": round(server, 1),
-            "host_pct": round(host, 1),
-            "other_pct": round(max(host - client - server, 0.0), 1),
-        }
-
-
-class GcMeter:
-    """Garbage-collection pauses of this process between two `lap`s.
-
-    The client holds a large heap (Feast, pandas, gRPC): a full (generation 2) collection stops the
-    event loop for all of its duration, which shows up as a latency tail, not as an error.
-    """
-
-    def __init__(self) -> None:
-        self._started: float | None = None
-        self._reset()
-        gc.callbacks.append(self._callback)
-
-    def _reset(self) -> None:
-        self.count = [0, 0, 0]
-        self.total_ms = 0.0
-        self.max_ms = 0.0
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        elif self._started is not None:
-            ms = (time.perf_counter() - self._started) * 1e3
-            self._started = None
-            self.count[info["generation"]] += 1
-            self.total_ms += ms
-            self.max_ms = max(self.max_ms, ms)
-
-    def lap(self) -> dict[str, Any]:
-        out = {"collections": list(self.count), "total_ms": round(self.total_ms, 1), "max_ms": round(self.max_ms, 1)}
-        self._reset()
-        return out
-
-    def close(self) -> None:
-        if self._callback in gc.callbacks:
-            gc.callbacks.remove(self._callback)
-
-
-# --- the two load shapes --------------------------------------------------------------------------
-
-
-async def closed_loop(send: Send, concurrency: int, seconds: float) -> dict[str, Any]:
-    """`concurrency` workers each sending back to back for `seconds`: the maximum rate at that concurrency."""
-    ok = 0
-    errors: Counter[str] = Counter()
-    samples: dict[str, str] = {}
-    stop = time.monotonic() + seconds
-
-    async def worker() -> None:
-        nonlocal ok
-        while time.monotonic() < stop:
-            try:
-                await send()
-                ok += 1
-            except Exception as exc:  # counted by class, the point of the measurement
-                errors[type(exc).__name__] += 1
-                samples.setdefault(type(exc).__name__, _message(exc))
-
-    start = time.monotonic()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    elapsed = time.monotonic() - start
-    return {"concurrency": concurrency, "seconds": round(elapsed, 2), "ok": ok, "errors": dict(errors), "error_samples": samples, "rps": ok / elapsed}
-
-
-def _message(exc: BaseException) -> str:
-    """The first message of an error class, kept so a report says what failed, not only how often."""
-    return f"{type(exc).__name__}: {exc}"[:400]
-
-
-class Window:
-    """Counters and latencies of the current window, reused from window to window.
-
-    Latencies go into one preallocated float64 buffer reset at each window: the harness must not
-    grow the client's memory itself (a list of Python floats would, by ~32 bytes a request), or
-    the client's memory verdict would measure the harness.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.latencies_ms = np.empty(max(capacity, 1024), dtype=np.float64)
-        self.reset()
-
-    def reset(self) -> None:
-        self.n = 0
-        self.sent = self.ok = self.degraded = self.late = 0
-        self.lag_max_ms = 0.0
-        self.errors: Counter[str] = Counter()
-
-    def add_latency(self, ms: float) -> None:
-        if self.n == len(self.latencies_ms):  # more completions than planned (a burst): grow once
-            self.latencies_ms = np.concatenate([self.latencies_ms, np.empty_like(self.latencies_ms)])
-        self.latencies_ms[self.n] = ms
-        self.n += 1
-
-    def close(self, index: int, start_s: float, end_s: float) -> dict[str, Any]:
-        """This window's part of one client: counts and its raw latencies (merged by `merge_windows`)."""
-        row = {
-            "window": index,
-            "start_s": round(start_s, 2),
-            "end_s": round(end_s, 2),
-            "sent": self.sent,
-            "ok": self.ok,
-            "errors": dict(self.errors),
-            "degraded": self.degraded,
-            "late": self.late,
-            "lag_max_ms": round(self.lag_max_ms, 2),
-            "latencies_ms": self.latencies_ms[: self.n].astype(np.float32),
-        }
-        self.reset()
-        return row
-
-
-def merge_windows(parts: list[dict[str, Any]], start_s: float, end_s: float) -> dict[str, Any]:
-    """One window's row from every client's part: counts summed, percentiles over all latencies."""
-    lat = np.concatenate([p["latencies_ms"] for p in parts]) if parts else np.empty(0)
-    errors: Counter[str] = Counter()
-    for p in parts:
-        errors.update(p["errors"])
-    ok = sum(p["ok"] for p in parts)
-    p50, p99, mx = (float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), float(lat.max())) if len(lat) else (None, None, None)
-    gcs = [p["gc"] for p in parts if "gc" in p]
-    return {
-        "window": parts[0]["window"],
-        "start_s": round(start_s, 2),
-        "end_s": round(end_s, 2),
-        "sent": sum(p["sent"] for p in parts),
-        "ok": ok,
-        "errors": dict(errors),
-        "degraded": sum(p["degraded"] for p in parts),
-        "late": sum(p["late"] for p in parts),
-        "lag_max_ms": max(p["lag_max_ms"] for p in parts),
-        "ok_rps": round(ok / (end_s - start_s), 1) if end_s > start_s else None,
-        "p50_ms": p50,
-        "p99_ms": p99,
-        "max_ms": mx,
-        "gc": {
-            "collections": [sum(g["collections"][i] for g in gcs) for i in range(3)],
-            "total_ms": round(sum(g["total_ms"] for g in gcs), 1),
-            "max_ms": max((g["max_ms"] for g in gcs), default=0.0),
-        },
-    }
-
-
-async def open_loop(
-    send: Send,
-    *,
-    rate: float,
-    t0: float,
-    duration_s: float,
-    window_s: float,
-    max_inflight: int,
-    late_after_ms: float,
-    offset: int = 0,
-    stride: int = 1,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One client's share of an open loop: request i of the whole schedule is due at t0 + i / rate,
-    and this client sends i = offset, offset + stride, ... (so `stride` clients together send the
-    whole schedule). One part-row per window (see the module docstring).
-
-    Windows are closed by a ticker at t0 + k * window_s (time.monotonic is the machine's clock,
-    shared by every process); the last one also takes the requests that complete while the run
-    drains, so every request sent is counted in exactly one window.
-    """
-    loop = asyncio.get_running_loop()
-    error_samples: dict[str, str] = {}
-    gcs = GcMeter()
-    n_windows = math.ceil(duration_s / window_s - 1e-9)
-    scheduled = int(rate * duration_s)
-    acc = Window(int(rate * window_s * 1.5 / stride))
-    slots = asyncio.Semaphore(max_inflight)
-    tasks: set[asyncio.Task[None]] = set()
-    rows: list[dict[str, Any]] = []
-    late_after_s = late_after_ms / 1e3
-
-    async def one(due: float) -> None:
-        try:
-            result = await send()
-            acc.ok += 1
-            if result.degraded:
-                acc.degraded += 1
-            acc.add_latency((time.monotonic() - due) * 1e3)
-        except Exception as exc:  # every failure is counted by class, none is lost
-            acc.errors[type(exc).__name__] += 1
-            error_samples.setdefault(type(exc).__name__, _message(exc))
-        finally:
-            slots.release()
-
-    last_close = t0
-
-    def close_window(k: int, end: float) -> None:
-        nonlocal last_close
-        row = acc.close(k, last_close - t0, end - t0)
-        row["gc"] = gcs.lap()
-        rows.append(row)
-        last_close = end
-
-    async def ticker() -> None:
-        for k in range(1, n_windows):  # the last window is closed after the drain
-            await asyncio.sleep(max(0.0, t0 + k * window_s - time.monotonic()))
-            close_window(k, time.monotonic())
-
-    ticks = loop.create_task(ticker())
-    sent = unsent = 0
-    mine = len(range(offset, scheduled, stride))  # this client's share of the schedule
-    burst = 0
-    t_end = t0 + duration_s
-    for i in range(offset, scheduled, stride):
-        due = t0 + i / rate
-        now = time.monotonic()
-        if due > now:
-            burst = 0
-            await asyncio.sleep(due - now)
-        elif burst >= 64:
-            # Behind schedule: requests already due are started back to back, but the loop must
-            # still run their callbacks (and the ticker) between bursts.
-            burst = 0
-            await asyncio.sleep(0)
-        await slots.acquire()  # the in-flight cap: waiting here makes the request late, not lost
-        started = time.monotonic()
-        if started > t_end + window_s:
-            # So far behind that the run would overrun by a whole window: stop and say how many
-            # due requests were never started.
-            slots.release()
-            unsent = len(range(i, scheduled, stride))
-            break
-        lag = started - due
-        acc.sent += 1
-        sent += 1
-        acc.lag_max_ms = max(acc.lag_max_ms, lag * 1e3)
-        if lag > late_after_s:
-            acc.late += 1
-        task = loop.create_task(one(due))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        burst += 1
-    # Drain: every request in flight completes or fails within the client's deadline.
-    await asyncio.gather(*tasks)
-    await ticks
-    close_window(n_windows, max(time.monotonic(), t_end))
-    gcs.close()
-    return rows, {"scheduled": mine, "sent": sent, "unsent": unsent, "error_samples": error_samples}
-
-
-# --- the client processes -------------------------------------------------------------------------
-
-
-def _client_main(conn, settings: dict[str, Any]) -> None:
-    """A client process: its own event loop, Triton client, feature fetcher and fraud service, which
-    runs the load commands its parent sends (a fraud service scales out the same way, by processes)."""
-    asyncio.run(_client_serve(conn, settings))
-
-
-async def _client_serve(conn, s: dict[str, Any]) -> None:
-    # Transactions and users drawn once: the request loop should cost the request path, not numpy.
-    rng = np.random.default_rng(s["seed"])
-    transactions = [{k: float(v) for k, v in row.items()} for _, row in demo_data.make_fraud_requests(2000, seed=3 + s["seed"]).iterrows()]
-    users = rng.integers(1, s["n_users"] + 1, size=8192).tolist()
-    counter = 0
-    loop = asyncio.get_running_loop()
-    async with TritonClient(s["grpc_url"], deadline_s=s["deadline_s"]) as triton, FeatureFetcher.from_repo(Path(s["feature_repo"]), timeout_s=s["fetch_timeout_s"]) as fetcher:
-        fraud = FraudService(triton, fetcher, model=s["model"])
-
-        def send() -> Awaitable[FraudScore]:
-            nonlocal counter
-            counter += 1
-            return fraud.score({"user_id": users[counter % len(users)], **transactions[counter % len(transactions)]})
-
-        conn.send(("ready", os.getpid()))
-        while True:
-            command = await loop.run_in_executor(None, conn.recv)
-            if command is None:
-                return
-            kind, kwargs = command
-            try:
-                if kind == "closed":
-                    result: Any = await closed_loop(send, **kwargs)
-                elif kind == "open":
-                    result = await open_loop(send, **kwargs)
-                elif kind == "freeze":
-                    # What a long-running service can do once warmed up: move every object alive now
-                    # (modules, Feast registry, gRPC stubs) out of the collector's reach, so a full
-                    # collection walks only what requests allocate.
-                    gc.collect()
-                    gc.freeze()
-                    result = True
-                else:
-                    raise ValueError(f"unknown command {kind!r}")
-                conn.send(("ok", result))
-            except Exception as exc:  # sent back to the parent, which raises it
-                conn.send(("error", _message(exc)))
-
-
-class ClientPool:
-    """`n` client processes (spawned: no fork after gRPC exists in the parent), each running the
-    real fraud request path; commands go to all of them at once and their results come back as a list."""
-
-    def __init__(self, n: int, settings: dict[str, Any], start_timeout_s: float = 120.0) -> None:
-        import multiprocessing as mp
-
-        if n < 1:
-            raise ValueError(f"clients must be >= 1, got {n}")
-        ctx = mp.get_context("spawn")
-        self._conns, self._procs = [], []
-        for j in range(n):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_client_main, args=(child, dict(settings, seed=j)), name=f"soak-client-{j}", daemon=True)
-            proc.start()
-            self._conns.append(parent)
-            self._procs.append(proc)
-        self.pids = [self._recv(c, start_timeout_s)[1] for c in self._conns]
-
-    @property
-    def n(self) -> int:
-        return len(self._procs)
-
-    def _recv(self, conn, timeout_s: float) -> tuple[str, Any]:
-        if not conn.poll(timeout_s):
-            raise RuntimeError(f"a soak client did not answer within {timeout_s:.0f} s")
-        status, value = conn.recv()
-        if status == "error":
-            raise RuntimeError(f"a soak client failed: {value}")
-        return status, value
-
-    def send(self, kind: str, per_client: list[dict[str, Any]]) -> None:
-        for conn, kwargs in zip(self._conns, per_client):
-            conn.send((kind, kwargs))
-
-    def gather(self, timeout_s: float) -> list[Any]:
-        return [self._recv(conn, timeout_s)[1] for conn in self._conns]
-
-    def run(self, kind: str, per_client: list[dict[str, Any]], timeout_s: float) -> list[Any]:
-        self.send(kind, per_client)
-        return self.gather(timeout_s)
-
-    def close(self) -> None:
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-        for proc in self._procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.terminate()
-
-
-def _split(total: int, n: int) -> list[int]:
-    return [total // n + (1 if j < total % n else 0) for j in range(n)]
-
-
-def pooled_closed_loop(pool: ClientPool, concurrency: int, seconds: float) -> dict[str, Any]:
-    parts = pool.run("closed", [{"concurrency": max(1, c), "seconds": seconds} for c in _split(concurrency, pool.n)], timeout_s=seconds + 120)
-    errors: Counter[str] = Counter()
-    samples: dict[str, str] = {}
-    for part in parts:
-        errors.update(part["errors"])
-        for k, v in part["error_samples"].items():
-            samples.setdefault(k, v)
-    elapsed = max(part["seconds"] for part in parts)
-    ok = sum(part["ok"] for part in parts)
-    return {"concurrency": concurrency, "clients": pool.n, "seconds": elapsed, "ok": ok, "errors": dict(errors), "error_samples": samples, "rps": ok / elapsed}
+# --- the client side: a harness session running the real fraud request path ----------------------------
+
+
+class _FraudSession:
+    """A client process: its own event loop, Triton client, feature fetcher and fraud service (a fraud
+    service scales out the same way, by processes), and the record of its garbage-collection pauses."""
+
+    def __init__(self, s: dict[str, Any], index: int) -> None:
+        self.s, self.index = s, index
+
+    async def __aenter__(self) -> "_FraudSession":
+        s = self.s
+        # Transactions and users drawn once: the request loop should cost the request path, not numpy.
+        rng = np.random.default_rng(self.index)
+        self.transactions = [{k: float(v) for k, v in row.items()} for _, row in demo_data.make_fraud_requests(2000, seed=3 + self.index).iterrows()]
+        self.users = rng.integers(1, s["n_users"] + 1, size=8192).tolist()
+        self.triton = await TritonClient(s["grpc_url"], deadline_s=s["deadline_s"]).__aenter__()
+        self.fetcher = await FeatureFetcher.from_repo(Path(s["feature_repo"]), timeout_s=s["fetch_timeout_s"]).__aenter__()
+        self.fraud = FraudService(self.triton, self.fetcher, model=s["model"])
+        self.gc = harness.GcPauses()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.gc.close()
+        await self.fetcher.__aexit__(None, None, None)
+        await self.triton.__aexit__(None, None, None)
+
+    def send(self, i: int) -> Awaitable[FraudScore]:
+        return self.fraud.score({"user_id": self.users[i % len(self.users)], **self.transactions[i % len(self.transactions)]})
+
+    classify = staticmethod(harness.by_class)
+
+    async def freeze(self) -> bool:
+        # What a long-running service can do once warmed up: move every object alive now (modules, Feast
+        # registry, gRPC stubs) out of the collector's reach, so a full collection walks only what requests allocate.
+        gc.collect()
+        gc.freeze()
+        return True
+
+    async def windows(self, **kwargs: Any) -> list[tuple[harness.Tally, dict[str, Any]]]:
+        """The open loop, with each window's garbage-collection pauses."""
+        t0 = kwargs["start_at"]
+        rows = await harness.open_loop(self.send, classify=self.classify, flag=lambda r: bool(r.degraded), **kwargs)
+        return [(w, self.gc.between(t0 + w.start_s, t0 + w.end_s if k < len(rows) - 1 else float("inf"))) for k, w in enumerate(rows)]
+
+
+def session(settings: dict[str, Any], index: int) -> _FraudSession:
+    return _FraudSession(settings, index)
+
+
+def pooled_closed_loop(pool: harness.Workers, concurrency: int, seconds: float) -> dict[str, Any]:
+    parts = pool.run("closed", [{"concurrency": max(1, c), "duration_s": seconds} for c in harness.split(concurrency, pool.n)], timeout_s=seconds + 120)
+    t = harness.Tally.merge(parts)
+    return {"concurrency": concurrency, "clients": pool.n, "seconds": round(t.wall_s, 2), "ok": t.ok, "errors": dict(t.errors),
+            "error_samples": t.error_samples, "rps": t.ok / max(t.wall_s, 1e-9)}
 
 
 def pooled_open_loop(
-    pool: ClientPool, *, rate: float, duration_s: float, window_s: float, max_inflight: int, late_after_ms: float, server_pid: int
+    pool: harness.Workers, *, rate: float, duration_s: float, window_s: float, max_inflight: int, late_after_ms: float, server_pid: int
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The open loop at `rate` over every client; this process samples memory and CPU at the window
-    boundaries while the clients send, then merges the clients' parts window by window."""
+    """The open loop at `rate`, its evenly spaced schedule interleaved over every client (client j sends
+    requests j, j + n, ...); this process samples memory and CPU at the window boundaries while the clients
+    send, then merges the clients' windows."""
     n_windows = math.ceil(duration_s / window_s - 1e-9)
-    cpu = CpuMeter(server_pid, pool.pids)
+    cpu = harness.Meter(server_pid, pool.pids)
     t0 = time.monotonic() + 0.2  # a lead: the command reaches every client before request 0 is due
-    kwargs = dict(rate=rate, t0=t0, duration_s=duration_s, window_s=window_s, max_inflight=max(1, max_inflight // pool.n), late_after_ms=late_after_ms, stride=pool.n)
-    pool.send("open", [dict(kwargs, offset=j) for j in range(pool.n)])
+    kwargs = dict(rate=rate, start_at=t0, duration_s=duration_s, window_s=window_s, poisson=False, stride=pool.n,
+                  max_inflight=max(1, max_inflight // pool.n), late_after_ms=late_after_ms)
+    pool.send("windows", [dict(kwargs, offset=j) for j in range(pool.n)])
     samples = []
-    for k in range(1, n_windows):
+    for k in range(1, n_windows + 1):
         time.sleep(max(0.0, t0 + k * window_s - time.monotonic()))
-        samples.append((time.monotonic(), memory_sample(server_pid, pool.pids), cpu.lap()))
-    results = pool.gather(timeout_s=duration_s + window_s + 120)
-    samples.append((max(time.monotonic(), t0 + duration_s), memory_sample(server_pid, pool.pids), cpu.lap()))
+        samples.append((harness.memory(server_pid, pool.pids), cpu.lap()))
+    parts = pool.gather(timeout_s=duration_s + window_s + 120)
     rows = []
-    last = t0
     for k in range(n_windows):
-        end, memory, cpu_row = samples[k]
-        row = merge_windows([part_rows[k] for part_rows, _ in results], last - t0, end - t0)
-        row["memory"], row["cpu"] = memory, cpu_row
-        rows.append(row)
-        last = end
-    counts: dict[str, Any] = {"scheduled": 0, "sent": 0, "unsent": 0, "error_samples": {}}
-    for _, c in results:
-        for key in ("scheduled", "sent", "unsent"):
-            counts[key] += c[key]
-        for k, v in c["error_samples"].items():
-            counts["error_samples"].setdefault(k, v)
+        w = harness.Tally.merge(part[k][0] for part in parts)
+        gcs = [part[k][1] for part in parts]
+        p50, p99 = w.percentiles("latencies_ms", (50, 99)) if w.ok else (None, None)
+        rows.append({
+            "window": k + 1, "start_s": round(w.start_s, 2), "end_s": round(w.end_s, 2), "sent": w.sent, "ok": w.ok, "errors": dict(w.errors),
+            "degraded": w.flagged, "late": w.late, "lag_max_ms": round(max(w.lags_ms, default=0.0), 2),
+            "ok_rps": round(w.ok / max(w.end_s - w.start_s, 1e-9), 1), "p50_ms": p50, "p99_ms": p99, "max_ms": max(w.latencies_ms) if w.ok else None,
+            "gc": {"collections": [sum(g["collections"][i] for g in gcs) for i in range(3)], "total_ms": round(sum(g["total_ms"] for g in gcs), 1),
+                   "max_ms": max(g["max_ms"] for g in gcs)},
+            "memory": samples[k][0], "cpu": samples[k][1],
+        })
+    whole = harness.Tally.merge(w for part in parts for w, _ in part)
+    counts = {"scheduled": whole.scheduled, "sent": whole.sent, "unsent": whole.unsent, "error_samples": whole.error_samples}
     return rows, counts
 
 
@@ -610,7 +189,7 @@ def latency_budget_ms(repository: Path, model: str) -> tuple[float, str]:
 
 
 def sustainable_maximum(
-    pool: ClientPool, closed_rps: float, *, step_s: float, max_inflight: int, late_after_ms: float, server_pid: int, p99_budget_ms: float,
+    pool: harness.Workers, closed_rps: float, *, step_s: float, max_inflight: int, late_after_ms: float, server_pid: int, p99_budget_ms: float,
     budget_source: str = "the model's latency budget",
 ) -> dict[str, Any]:
     """The highest open-loop rate, stepping down from the closed-loop maximum, that the stack keeps up with."""
@@ -710,12 +289,12 @@ def run_soak(
         "fetch_timeout_s": fetch_timeout_s,
         "deadline_s": deadline_s,
     }
-    pool = ClientPool(clients, settings)
+    pool = harness.Workers(clients, "soak:session", settings)
     try:
         warmup = pooled_closed_loop(pool, concurrency, warmup_s)
         if gc_freeze:
             pool.run("freeze", [{}] * pool.n, timeout_s=60)
-        meter = CpuMeter(server_pid, pool.pids)
+        meter = harness.Meter(server_pid, pool.pids)
         maximum = pooled_closed_loop(pool, concurrency, max_seconds)
         # CPU per answered request, closed loop vs open loop, says whether the open loop costs more
         # per request (same-turn feature coalescing and dynamic batching find less to join).
@@ -726,7 +305,7 @@ def run_soak(
             p99_budget_ms=budget, budget_source=source,
         )
         rate = utilization * sustained["rps"]
-        before = memory_sample(server_pid, pool.pids)
+        before = harness.memory(server_pid, pool.pids)
         rows, counts = pooled_open_loop(
             pool, rate=rate, duration_s=duration_s, window_s=window_s, max_inflight=max_inflight, late_after_ms=late_after_ms, server_pid=server_pid
         )
@@ -853,14 +432,6 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(result: dict[str, Any], out_name: str, results_dir: Path = RESULTS) -> tuple[Path, Path]:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = results_dir / f"{out_name}.json", results_dir / f"{out_name}.md"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    md_path.write_text(render_markdown(result))
-    return json_path, md_path
-
-
 # --- command line ---------------------------------------------------------------------------------
 
 
@@ -936,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             step_s=args.step_seconds,
             p99_budget_ms=args.p99_budget_ms,
         )
-    json_path, md_path = write_results(result, out_name, args.results_dir)
+    json_path, md_path = harness.write_results(out_name, result, render_markdown(result), args.results_dir)
     print(render_markdown(result))
     print(f"wrote {json_path} and {md_path}")
     return 1 if args.check and not result["verdict"]["pass"] else 0

@@ -5,11 +5,13 @@
 # 50%/80% of its maximum; ranking with 100-2000 candidates); overload through the client's admission
 # control; the whole fraud and ranking request against the hand-written Feast + onnxruntime service
 # (e2e). Writes benchmarks/results/{peers,request_path,admission,e2e}.{json,md} and regenerates
-# benchmarks/REPORT.md (+ results/plots/), whose last table judges every target of issue 14.
+# benchmarks/REPORT.md (+ results/plots/), whose tables judge the goals. Every script sends its load
+# through benchmarks/harness.py. The soak (10 minutes at 70% of the sustainable maximum) runs on its
+# own: --only soak (with --quick: 60 seconds).
 #
 #   scripts/bench.sh                 # everything (~15 minutes on 2 cores: peers 9, request path 3, admission 2)
 #   scripts/bench.sh --quick         # everything, short (3.5 minutes; a smoke run, not for the results)
-#   scripts/bench.sh --only peers    # one part: peers, request_path, admission or e2e
+#   scripts/bench.sh --only peers    # one part: peers, request_path, admission, e2e or soak
 #   scripts/bench.sh --only peers --targets scorestack,fastapi_onnxruntime --rounds 2   # other options go to suite.py
 #
 # The first run also trains/compiles the demo models (~1 minute) and builds MLServer's own virtual
@@ -23,15 +25,15 @@ suite_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=(--quick); shift ;;
-    --only) [ $# -ge 2 ] || { echo "scripts/bench.sh: --only needs a part: peers, request_path, admission or e2e" >&2; exit 2; }
+    --only) [ $# -ge 2 ] || { echo "scripts/bench.sh: --only needs a part: peers, request_path, admission, e2e or soak" >&2; exit 2; }
             only="$2"; shift 2 ;;
     --only=*) only="${1#--only=}"; shift ;;
     *) suite_args+=("$1"); shift ;;
   esac
 done
 case "$only" in
-  ""|peers|request_path|admission|e2e) ;;
-  *) echo "scripts/bench.sh: --only $only: choose peers, request_path, admission or e2e" >&2; exit 2 ;;
+  ""|peers|request_path|admission|e2e|soak) ;;
+  *) echo "scripts/bench.sh: --only $only: choose peers, request_path, admission, e2e or soak" >&2; exit 2 ;;
 esac
 if [ ${#suite_args[@]} -gt 0 ] && [ "$only" != "peers" ]; then
   echo "scripts/bench.sh: options ${suite_args[*]} are suite.py's: add --only peers" >&2
@@ -43,8 +45,8 @@ if [ -z "$only" ] || [ "$only" = peers ]; then
   "$PY" benchmarks/suite.py "${quick[@]}" "${suite_args[@]}"
 fi
 if [ -z "$only" ] || [ "$only" = request_path ]; then
-  step "request path: benchmarks/bench_request_path.py --only paths"
-  "$PY" benchmarks/bench_request_path.py --only paths "${quick[@]}"
+  step "request path: benchmarks/bench_request_path.py"
+  "$PY" benchmarks/bench_request_path.py "${quick[@]}"
 fi
 if [ -z "$only" ] || [ "$only" = admission ]; then
   step "admission control: benchmarks/bench_admission.py"
@@ -57,6 +59,10 @@ fi
 if [ -z "$only" ] || [ "$only" = e2e ]; then
   step "end to end against the hand-written service: benchmarks/bench_e2e.py"
   "$PY" benchmarks/bench_e2e.py "${quick[@]}"
+fi
+if [ "$only" = soak ]; then
+  step "soak: benchmarks/soak.py"
+  if [ ${#quick[@]} -gt 0 ]; then "$PY" benchmarks/soak.py --seconds 60; else "$PY" benchmarks/soak.py; fi
 fi
 step "report: benchmarks/report.py"
 "$PY" benchmarks/report.py

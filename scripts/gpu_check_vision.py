@@ -14,7 +14,7 @@ Needs: `tensorrt` (10.x) and torch with CUDA in this environment. Steps, each re
    over gRPC with raw uint8 images and compare its classes with the engine's.
 Writes benchmarks/results/gpu_check_vision.{json,md}. Without TensorRT or a GPU it exits 2 and says which.
 
-    python benchmarks/gpu_check_vision.py [--models DIR] [--repository DIR] [--triton-url HOST:8001]
+    python scripts/gpu_check_vision.py [--models DIR] [--repository DIR] [--triton-url HOST:8001]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
 def _requirements() -> str | None:
