@@ -3,15 +3,18 @@
 A Triton model with dynamic batching executes whatever batch the batcher forms from live traffic,
 from 1 row up to `max_batch_size`, so the compiler measures candidates on a grid over that whole
 range and, where no single format is fastest everywhere, serves several from one version folder
-with a table from executed batch size to format (the runtime's `scorestack_dispatch`).
+with a table from executed batch size to format: the plan in config.pbtxt's `scorestack_dispatch`,
+written by `dispatch_parameter` alone and read by the Python runtime and the native backend alike.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from scorestack.serve import runtime_files
 from scorestack.serve.runtime import scorestack_runtime as rt
@@ -118,3 +121,23 @@ def package_dispatch(version_dir: Path, plan: Plan, artifacts: dict[str, Artifac
         notes=[plan.reason],
     )
     return artifact, digests
+
+
+def dispatch_parameter(bands: Iterable[DispatchBand]) -> str:
+    """The `scorestack_dispatch` plan of `bands`: the one writer of the format that
+    serve/runtime/scorestack_runtime.py specifies (`parse_dispatch`) and both servers read.
+
+    The text is read back with the runtime's own reader before it is returned, so the compiler never
+    writes a plan a server would refuse (an artifact name with a space, say): it fails here instead.
+    """
+    entries = [
+        {"min_rows": b.min_rows, "runtime": b.runtime, "artifact": b.artifact, "output_column": b.output_column, "method": b.method} for b in bands
+    ]
+    text = json.dumps(entries, separators=(",", ":"))
+    try:
+        read = rt.parse_dispatch(text)
+    except rt.PlanError as exc:
+        raise ValueError(f"the dispatch plan cannot be written as {rt.PARAM_DISPATCH}: {exc}") from None
+    if read != entries:
+        raise AssertionError(f"{rt.PARAM_DISPATCH} does not read back as written: {read} != {entries}")
+    return text

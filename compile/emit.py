@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.machinery
-import json
 import math
 import shutil
 from pathlib import Path
@@ -18,6 +17,7 @@ from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.triton_config import format_config, parse_config
 
 from .convert_tensorrt import ORT_TENSORRT_FORMAT, ORT_TENSORRT_PARAMETERS
+from .dispatch import dispatch_parameter
 from .profile import BatchProfile
 from .registry import Artifact
 from .report import TritonSettings
@@ -135,17 +135,17 @@ def input_contract(spec: ModelSpec) -> tuple[str, int, list[int]]:
 
 
 def native_backend(spec: ModelSpec, artifact: Artifact, settings: TritonSettings) -> tuple[str | None, str]:
-    """The `scorestack_native` plan when scorestack's native backend can serve `artifact` (None when
-    not), and the rule that says why."""
-    bands = (
-        [(b.min_rows, b.artifact, b.output_column, b.runtime, b.format) for b in artifact.bands]
-        if artifact.bands
-        else [(1, artifact.artifact_name, artifact.output_column, artifact.runtime, artifact.format)]
-    )
+    """`native.BACKEND` when scorestack's native backend can serve `artifact` (None when not), and
+    the rule that says why.
+
+    The native backend reads the same parameters as the Python runtime (build_config writes them
+    once, the dispatch plan through dispatch.dispatch_parameter), so choosing it changes only the
+    config's `backend`."""
+    runtimes = [(b.runtime, b.format) for b in artifact.bands] if artifact.bands else [(artifact.runtime, artifact.format)]
     other = f"backend = {artifact.backend}"
     if not spec.serving.native_backend:
         return None, f"{other}: serving.native_backend is false."
-    others = sorted({fmt for _, _, _, runtime, fmt in bands if runtime not in native.RUNTIMES})
+    others = sorted({fmt for runtime, fmt in runtimes if runtime not in native.RUNTIMES})
     if others:
         return None, f"{other}: scorestack's native backend serves TL2cgen and tree-kernel libraries only, and {', '.join(others)} is selected."
     if settings.instance_kind != "KIND_CPU":
@@ -154,8 +154,7 @@ def native_backend(spec: ModelSpec, artifact: Artifact, settings: TritonSettings
         native.library()
     except native.NativeBackendUnavailable as exc:
         return None, f"{other}: {exc}."
-    plan = native.plan(spec.output_name, [(m, a, c) for m, a, c, _, _ in bands])
-    return plan, (
+    return native.BACKEND, (
         f"backend = {native.BACKEND} (native, {native.LIBRARY} in the version folder): the selected libraries are called on "
         "Triton's instance threads, without the Python backend's round trip to a stub process; serving.native_backend: false "
         "serves them through the Python backend instead."
@@ -163,8 +162,9 @@ def native_backend(spec: ModelSpec, artifact: Artifact, settings: TritonSettings
 
 
 def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, n_outputs: int, native_plan: str | None = None) -> mc.ModelConfig:
-    """The production config.pbtxt (the contract with the serving stage); `native_plan` (from
-    native_backend) serves the artifact through scorestack's native backend."""
+    """The production config.pbtxt (the contract with the serving stage). `native_plan` is what
+    native_backend returned: when not None, scorestack's native backend serves the artifact, from
+    the same parameters the Python runtime reads."""
     cfg = mc.ModelConfig(name=spec.name, max_batch_size=settings.max_batch_size)
     if native_plan is not None:
         cfg.backend = native.BACKEND
@@ -214,15 +214,13 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
 
     params = {rt.PARAM_RUNTIME: artifact.runtime, rt.PARAM_THREADS: str(settings.threads), rt.PARAM_INTEGRITY: "sha256"}
     if artifact.bands:
-        params[rt.PARAM_DISPATCH] = json.dumps([b.to_runtime() for b in artifact.bands], separators=(",", ":"))
+        params[rt.PARAM_DISPATCH] = dispatch_parameter(artifact.bands)
     else:
         params[rt.PARAM_ARTIFACT] = artifact.artifact_name
         if artifact.output_column is not None:
             params[rt.PARAM_OUTPUT_COLUMN] = str(artifact.output_column)
         if artifact.method is not None:
             params[rt.PARAM_METHOD] = artifact.method
-    if native_plan is not None:
-        params[native.PARAM_NATIVE] = native_plan
     if spec.task == "binary":
         threshold = spec.serving.decision_threshold
         params[rt.PARAM_DECISION_THRESHOLD] = repr(0.5 if threshold is None else float(threshold))

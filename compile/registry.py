@@ -33,7 +33,9 @@ class ConvertContext:
 
 @dataclass(frozen=True)
 class DispatchBand:
-    """One band of a dispatch artifact: batches of min_rows..max_rows rows run `artifact` with `runtime`."""
+    """One band of a dispatch artifact: batches of min_rows..max_rows rows run `artifact` with `runtime`.
+
+    config.pbtxt carries the bands as the plan compile/dispatch.py `dispatch_parameter` writes."""
 
     format: str
     min_rows: int
@@ -43,9 +45,6 @@ class DispatchBand:
     output_column: int | None = None
     method: str | None = None
 
-    def to_runtime(self) -> dict[str, object]:
-        """The band as the runtime's `scorestack_dispatch` entry (serve/runtime/scorestack_runtime.py)."""
-        return {"min_rows": self.min_rows, "runtime": self.runtime, "artifact": self.artifact, "output_column": self.output_column, "method": self.method}
 
 
 @dataclass

@@ -7,9 +7,9 @@ this way: Triton looks for a model's backend library in its version folder first
 folder carries its backend into any Triton (the local one, the official container).
 
 It serves what the TL2cgen and tree-kernel formats build (compile/_tree_commons.py's batch ABI),
-one format or a per-batch-size dispatch among them. The config parameter `scorestack_native` is its
-plan: `<output tensor> <min_rows> <artifact> <column> ...`, the same bands and columns the Python
-runtime reads from `scorestack_dispatch`.
+one format or a per-batch-size dispatch among them, from the same config parameters the Python
+runtime reads (serve/runtime/scorestack_runtime.py defines them, the dispatch plan's format and the
+SHA256SUMS rule included): a model moves between the two backends by its `backend` alone.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from scorestack.paths import home
 
 BACKEND = "scorestack"  # config.pbtxt `backend`
 LIBRARY = "libtriton_scorestack.so"  # Triton's name for that backend's library
-PARAM_NATIVE = "scorestack_native"  # the plan the backend reads (see the module docstring)
 RUNTIMES = frozenset({"tl2cgen"})  # runner names whose artifacts speak the batch ABI
 
 
@@ -58,12 +57,3 @@ def library() -> Path:
         os.replace(built, out)  # atomic: concurrent compile jobs never see half a library
     return out
 
-
-def plan(output: str, bands: list[tuple[int, str, int | None]]) -> str:
-    """The `scorestack_native` parameter: the output tensor, then (min_rows, artifact, column or None) per band."""
-    parts = [output]
-    for min_rows, artifact, column in bands:
-        if not artifact or any(c.isspace() or c == '"' for c in artifact):
-            raise ValueError(f"artifact name {artifact!r} cannot be named in {PARAM_NATIVE} (no spaces or quotes)")
-        parts += [str(int(min_rows)), artifact, str(-1 if column is None else int(column))]
-    return " ".join(parts)

@@ -65,9 +65,9 @@ def _config(params: dict[str, str], max_batch: int = 64) -> dict:
 @pytest.mark.parametrize(
     "table, fragment",
     [
-        ("not json", "must be a JSON list"),
-        (json.dumps([{"min_rows": 2, "runtime": "xgboost", "artifact": "a.json"}]), "must start at min_rows 1"),
-        (json.dumps([{"min_rows": 1, "runtime": "xgboost", "artifact": "a.json"}, {"min_rows": 1, "runtime": "xgboost", "artifact": "a.json"}]), "ascend"),
+        ("not json", r"config parameter scorestack_dispatch cannot be read \(not valid JSON\); recompile the model"),
+        (json.dumps([{"min_rows": 2, "runtime": "xgboost", "artifact": "a.json"}]), "band 1: min_rows must be 1"),
+        (json.dumps([{"min_rows": 1, "runtime": "xgboost", "artifact": "a.json"}, {"min_rows": 1, "runtime": "xgboost", "artifact": "a.json"}]), "does not ascend"),
         (json.dumps([{"min_rows": 1, "runtime": "nope", "artifact": "a.json"}]), "unknown scorestack_runtime 'nope'"),
     ],
 )

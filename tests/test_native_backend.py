@@ -91,18 +91,24 @@ def repository(trained, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _dispatch_folder(repo: Path, name: str, first: Path, then: Path, at: int) -> None:
     import shutil
 
+    from scorestack.compile.dispatch import dispatch_parameter
+    from scorestack.compile.registry import DispatchBand
     from scorestack.serve.runtime import scorestack_runtime as rt
+    from scorestack.triton_config import write_config
 
     dest = repo / name
     shutil.copytree(then, dest)
-    cfg_text = (then / "config.pbtxt").read_text().replace(f'name: "{then.name}"', f'name: "{name}"')
-    first_plan = load_config(first / "config.pbtxt").parameters[native.PARAM_NATIVE].string_value.split()
-    then_plan = load_config(then / "config.pbtxt").parameters[native.PARAM_NATIVE].string_value.split()
-    shutil.copy2(first / "1" / first_plan[2], dest / "1" / first_plan[2])
-    plan = " ".join(["probability", "1", *first_plan[2:4], str(at), *then_plan[2:4]])
-    cfg_text = cfg_text.replace(" ".join(then_plan), plan)
-    assert plan in cfg_text
-    (dest / "config.pbtxt").write_text(cfg_text)
+    cfg = load_config(then / "config.pbtxt")
+    cfg.name = name
+    first_artifact = load_config(first / "config.pbtxt").parameters[rt.PARAM_ARTIFACT].string_value
+    then_artifact = cfg.parameters[rt.PARAM_ARTIFACT].string_value
+    shutil.copy2(first / "1" / first_artifact, dest / "1" / first_artifact)
+    # The plan as the compiler writes it, read by the native backend as by the Python runtime.
+    plan = [DispatchBand("tl2cgen", 1, at - 1, "tl2cgen", first_artifact), DispatchBand("trees", at, 16, "tl2cgen", then_artifact)]
+    cfg.parameters[rt.PARAM_RUNTIME].string_value = rt.DISPATCH
+    cfg.parameters[rt.PARAM_DISPATCH].string_value = dispatch_parameter(plan)
+    del cfg.parameters[rt.PARAM_ARTIFACT]
+    write_config(cfg, dest / "config.pbtxt")
     for f in ("report.json", "report.md"):
         (dest / f).unlink(missing_ok=True)
     (dest / "1" / "SHA256SUMS").unlink()
@@ -117,11 +123,14 @@ def test_the_compiler_emits_the_native_backend_with_its_library_under_the_manife
         assert lib.exists(), name
         manifest = dict(reversed(line.split()) for line in (repository / name / "1" / "SHA256SUMS").read_text().splitlines())
         assert manifest[native.LIBRARY] == hashlib.sha256(lib.read_bytes()).hexdigest()
-    for name, runtime in (("kernel", "trees"), ("tl2", "tl2cgen")):
-        plan = load_config(repository / name / "config.pbtxt").parameters[native.PARAM_NATIVE].string_value.split()
-        assert plan[:2] == ["probability", "1"] and len(plan) == 4 and runtime in plan[2], plan
+    # The native backend reads the Python runtime's parameters: no second encoding of the artifact.
+    for name, fmt in (("kernel", "trees"), ("tl2", "tl2cgen")):
+        params = {k: v.string_value for k, v in load_config(repository / name / "config.pbtxt").parameters.items()}
+        assert params["scorestack_runtime"] == "tl2cgen" and fmt in params["scorestack_artifact"], params
+        assert not any(k.startswith("scorestack_native") for k in params), params
     py = load_config(repository / "python" / "config.pbtxt")
-    assert py.backend == "python" and native.PARAM_NATIVE not in py.parameters
+    kernel = load_config(repository / "kernel" / "config.pbtxt")
+    assert py.backend == "python" and set(py.parameters) == set(kernel.parameters)
     assert not (repository / "python" / "1" / native.LIBRARY).exists()
     # The report says which backend serves the model, and why.
     import json
@@ -204,6 +213,9 @@ def test_band_edges_and_large_batches_on_several_threads_match_the_source(reposi
 def test_a_modified_artifact_or_missing_manifest_is_refused_by_name(repository, tmp_path, server_environment):
     import shutil
 
+    from scorestack.serve.runtime import scorestack_runtime as rt
+    from scorestack.triton_config import write_config
+
     repo = tmp_path / "repo"
     shutil.copytree(repository / "kernel", repo / "kernel")
     shutil.copytree(repository / "dispatched", repo / "dispatched")
@@ -215,9 +227,23 @@ def test_a_modified_artifact_or_missing_manifest_is_refused_by_name(repository, 
         fh.write(bytes([b[0] ^ 0xFF]))
     os.remove(repo / "dispatched" / "1" / "SHA256SUMS")
     shutil.copytree(repository / "python", repo / "python")  # one healthy model: the server starts
+    # A plan neither backend can read (the encoding the native backend read before): each refuses
+    # the model by name, with the parameter and the fix, and Triton serves on.
+    old_plan = "probability 1 model-trees.so -1"
+    for name, source in (("badplan", "dispatched"), ("badplan_py", "python")):
+        shutil.copytree(repository / source, repo / name)
+        cfg = load_config(repo / name / "config.pbtxt")
+        cfg.name = name
+        cfg.parameters[rt.PARAM_RUNTIME].string_value = rt.DISPATCH
+        cfg.parameters[rt.PARAM_DISPATCH].string_value = old_plan
+        write_config(cfg, repo / name / "config.pbtxt")
     with LocalTriton(repo, server_env=server_environment) as server:
         status = server.model_status
         assert status["python"].ready
+    for name, backend in (("badplan", native.BACKEND), ("badplan_py", "python")):
+        assert load_config(repo / name / "config.pbtxt").backend == backend
+        assert not status[name].ready
+        assert rt.plan_error_message(name, "not valid JSON") in status[name].reason, status[name].reason
     assert not status["kernel"].ready
     assert f"{(repo / 'kernel' / '1').resolve() / artifact.name} is corrupted or was modified after compile" in status["kernel"].reason, status["kernel"].reason
     assert not status["dispatched"].ready

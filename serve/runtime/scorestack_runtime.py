@@ -25,9 +25,9 @@ PARAM_OUTPUT_COLUMN = "scorestack_output_column"  # keep this column of a 2-D ra
 PARAM_METHOD = "scorestack_method"  # scikit-learn: predict_proba | predict
 PARAM_INTEGRITY = "scorestack_integrity"  # "sha256": SHA256SUMS must exist and match before loading
 PARAM_DECISION_THRESHOLD = "scorestack_decision_threshold"  # binary: read by clients, not by the runtime
-# Per-batch-size dispatch: a JSON list of bands, each {"min_rows", "runtime", "artifact",
-# "output_column", "method"}, ascending by min_rows from 1. A joined batch of n rows runs on the last
-# band whose min_rows <= n. Set with PARAM_RUNTIME = DISPATCH; the single-artifact keys are then unused.
+# Per-batch-size dispatch: the plan, a JSON list of bands whose format is specified once below
+# (parse_dispatch) and read by this runtime and by the native backend alike. Set with
+# PARAM_RUNTIME = DISPATCH; the single-artifact keys are then unused.
 PARAM_DISPATCH = "scorestack_dispatch"
 DISPATCH = "dispatch"
 
@@ -61,7 +61,37 @@ class IntegrityError(RuntimeLoadError):
     """A file of the version folder differs from the digest the compiler recorded."""
 
 
-# --- integrity ------------------------------------------------------------------------------------
+# --- integrity: the SHA256SUMS rule ---------------------------------------------------------------
+# This is the one statement of the rule; the native backend's scorestack_check_manifest
+# (serve/runtime/native/scorestack_backend.c) applies it with the same messages, and
+# tests/test_contracts.py runs both on one set of version folders.
+#
+#   When PARAM_INTEGRITY is "sha256", before anything loads, the version folder's SHA256SUMS is read
+#   as bytes, in sha256sum's format as write_manifest writes it: lines ending in "\n" (a "\r" before
+#   it is dropped), each "<64 lowercase hex digits><space><space or *><file name>", the name being a
+#   file of the folder itself (no "/"). Empty lines are skipped.
+#   Checked in this order, the first failure being the message (INTEGRITY_MESSAGES):
+#     the manifest exists ("missing_manifest"); every line has that form ("malformed", naming the
+#     first line that does not, counting from 1); it lists a file ("empty"); then file by file in
+#     the manifest's order: it exists ("missing_file"), it can be read ("unreadable", with the
+#     system's reason), its sha256 is the listed one ("modified").
+#   {folder} is the repository's version folder a local view renders (the first line of
+#   .scorestack_origin) or else the version folder's real path: the folder a user fixes.
+INTEGRITY_MESSAGES = {
+    "missing_manifest": "model {model}: {folder}/SHA256SUMS is missing, so the artifact cannot be checked; "
+    "recompile the model (scorestack compile) or restore the version folder",
+    "malformed": "model {model}: {folder}/SHA256SUMS line {line} is not '<sha256>  <file>'; "
+    "recompile the model (scorestack compile) or restore the version folder",
+    "empty": "model {model}: {folder}/SHA256SUMS lists no files, so the artifact cannot be checked; "
+    "recompile the model (scorestack compile) or restore the version folder",
+    "missing_file": "model {model}: {folder}/{file} listed in SHA256SUMS is missing; recompile or restore it",
+    "unreadable": "model {model}: cannot read {folder}/{file}: {reason}",
+    "modified": "model {model}: {folder}/{file} is corrupted or was modified after compile "
+    "(sha256 {got}…, compiled as {want}…); refusing to load it. Recompile the model or restore the file",
+}
+_HEX = frozenset(b"0123456789abcdef")
+
+
 def file_sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -82,41 +112,164 @@ def write_manifest(version_dir):
     return digests
 
 
-def read_manifest(version_dir):
-    digests = {}
-    with open(os.path.join(version_dir, MANIFEST)) as fh:
-        for line in fh:
-            if line.strip():
-                digest, name = line.rstrip("\n").split(None, 1)
-                digests[name.lstrip("*")] = digest
-    return digests
+def read_manifest(data):
+    """The (file name, digest) entries of a manifest's bytes, or the number of its first malformed line."""
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    entries = []
+    for number, line in enumerate(lines, 1):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line:
+            continue
+        digest, sep, mark, name = line[:64], line[64:65], line[65:66], line[66:]
+        if len(digest) != 64 or not set(digest) <= _HEX or sep != b" " or mark not in (b" ", b"*") or not name or b"/" in name or b"\0" in name:
+            return number
+        entries.append((os.fsdecode(name), digest.decode()))
+    return entries
+
+
+def _integrity_failure(model_name, version_dir):
+    """The rule above: None when the folder passes, else (kind, message)."""
+    origin = ""
+    if os.path.exists(os.path.join(version_dir, ORIGIN)):
+        with open(os.path.join(version_dir, ORIGIN)) as fh:
+            origin = fh.readline().rstrip("\r\n")
+    where = {"model": model_name, "folder": origin or os.path.realpath(version_dir)}
+    try:
+        with open(os.path.join(version_dir, MANIFEST), "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        return "missing_manifest", INTEGRITY_MESSAGES["missing_manifest"].format(**where)
+    except OSError as exc:
+        return "unreadable", INTEGRITY_MESSAGES["unreadable"].format(file=MANIFEST, reason=os.strerror(exc.errno or 5), **where)
+    entries = read_manifest(data)
+    if isinstance(entries, int):
+        return "malformed", INTEGRITY_MESSAGES["malformed"].format(line=entries, **where)
+    if not entries:
+        return "empty", INTEGRITY_MESSAGES["empty"].format(**where)
+    for name, want in entries:
+        try:
+            got = file_sha256(os.path.join(version_dir, name))
+        except FileNotFoundError:
+            return "missing_file", INTEGRITY_MESSAGES["missing_file"].format(file=name, **where)
+        except OSError as exc:
+            return "unreadable", INTEGRITY_MESSAGES["unreadable"].format(file=name, reason=os.strerror(exc.errno or 5), **where)
+        if got != want:
+            return "modified", INTEGRITY_MESSAGES["modified"].format(file=name, got=got[:16], want=want[:16], **where)
+    return None
 
 
 def check_integrity(model_name, version_dir):
-    """Raise IntegrityError unless every file in SHA256SUMS exists and matches its digest."""
-    origin = None
-    if os.path.exists(os.path.join(version_dir, ORIGIN)):
-        with open(os.path.join(version_dir, ORIGIN)) as fh:
-            origin = fh.read().strip()
-    manifest = os.path.join(version_dir, MANIFEST)
-    if not os.path.exists(manifest):
-        raise IntegrityError(
-            f"model {model_name}: {os.path.join(origin or version_dir, MANIFEST)} is missing, so the artifact cannot be checked; "
-            "recompile the model (scorestack compile) or restore the version folder"
-        )
-    for name, want in read_manifest(version_dir).items():
-        path = os.path.join(version_dir, name)
-        # Messages name the repository's file, which is what a user fixes: the local view links to
-        # it (or, for the runtime's own files, copied it from there).
-        shown = os.path.join(origin, name) if origin else os.path.realpath(path)
-        if not os.path.exists(path):
-            raise IntegrityError(f"model {model_name}: {shown} listed in {MANIFEST} is missing; recompile or restore it")
-        got = file_sha256(path)
-        if got != want:
-            raise IntegrityError(
-                f"model {model_name}: {shown} is corrupted or was modified after compile "
-                f"(sha256 {got[:16]}…, compiled as {want[:16]}…); refusing to load it. Recompile the model or restore the file"
-            )
+    """Raise IntegrityError unless the version folder passes the SHA256SUMS rule above."""
+    failure = _integrity_failure(model_name, version_dir)
+    if failure is not None:
+        raise IntegrityError(failure[1])
+
+
+# --- the per-batch-size dispatch plan (PARAM_DISPATCH): one format, two readers -----------------
+# This is the one specification. compile/dispatch.py `dispatch_parameter` writes it (and checks its
+# text with parse_dispatch before it writes it); parse_dispatch below and the native backend's
+# parse_dispatch (serve/runtime/native/scorestack_backend.c) read it, accepting and refusing exactly
+# the same texts with the same messages (tests/test_contracts.py runs both on one set of cases).
+#
+#   The value is JSON, at most PLAN_MAX_BYTES bytes of UTF-8: a list of 1 to PLAN_MAX_BANDS band
+#   objects, ascending by min_rows from 1. A joined batch of n rows runs on the last band whose
+#   min_rows <= n. A band has exactly these keys, each at most once:
+#     "min_rows"       required: an integer from 1 to PLAN_INT_MAX, above the previous band's
+#     "runtime"        required: a name, the runner (a key of RUNNERS; the native backend: tl2cgen)
+#     "artifact"       required: a name, the file inside the version folder
+#     "output_column"  optional: null or an integer from 0 to PLAN_INT_MAX (keep that column of the raw output)
+#     "method"         optional: null or a name (scikit-learn: predict_proba | predict)
+#   A name is 1 to PLAN_NAME_MAX characters of A-Z a-z 0-9 . _ + - not starting with ".".
+#   Whitespace between tokens is JSON's (space, tab, CR, LF); integers are JSON integers (1.0 is not).
+#
+# The checks run in this order and the first failure is the message: the text's length, JSON
+# syntax, a list, its length, then band by band: an object, its first unknown key (in the text's
+# order), its first repeated key, its missing keys (min_rows, runtime, artifact), min_rows, runtime,
+# artifact, output_column, method, and min_rows against the previous band.
+PLAN_MAX_BYTES = 16383
+PLAN_MAX_BANDS = 16
+PLAN_INT_MAX = 2147483647
+PLAN_NAME_MAX = 255
+PLAN_KEYS = ("min_rows", "runtime", "artifact", "output_column", "method")
+PLAN_REQUIRED = ("min_rows", "runtime", "artifact")
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._+-")
+_NAME_RULE = "letters, digits and . _ + -, not starting with ."
+
+
+class PlanError(ValueError):
+    """A dispatch plan that does not follow the format above; the message says where."""
+
+
+class _Band(dict):
+    keys_in_order = ()
+
+
+def _band_object(pairs):
+    band = _Band(pairs)
+    band.keys_in_order = tuple(k for k, _ in pairs)
+    return band
+
+
+def _is_int(value, lo):
+    return type(value) is int and lo <= value <= PLAN_INT_MAX
+
+
+def _is_name(value):
+    return type(value) is str and 0 < len(value) <= PLAN_NAME_MAX and not value.startswith(".") and all(c in _NAME_CHARS for c in value)
+
+
+def parse_dispatch(text):
+    """The bands of a dispatch plan (the format above) as dicts with all five keys; PlanError if it is not one."""
+    if len(text.encode("utf-8", "surrogatepass")) > PLAN_MAX_BYTES:
+        raise PlanError(f"longer than {PLAN_MAX_BYTES} bytes")
+    try:
+        bands = json.loads(text, object_pairs_hook=_band_object)
+    except (ValueError, RecursionError):
+        raise PlanError("not valid JSON") from None
+    if type(bands) is not list:
+        raise PlanError("not a JSON list of bands")
+    if not bands:
+        raise PlanError("no bands")
+    if len(bands) > PLAN_MAX_BANDS:
+        raise PlanError(f"more than {PLAN_MAX_BANDS} bands")
+    plan = []
+    for i, band in enumerate(bands, 1):
+        if type(band) is not _Band:
+            raise PlanError(f"band {i} is not a JSON object")
+        keys = band.keys_in_order
+        unknown = next((k for k in keys if k not in PLAN_KEYS), None)
+        if unknown is not None:
+            raise PlanError(f'band {i}: unknown key "{unknown[:63]}" (a band has {", ".join(PLAN_KEYS)})')
+        repeated = next((k for j, k in enumerate(keys) if k in keys[:j]), None)
+        if repeated is not None:
+            raise PlanError(f'band {i}: key "{repeated}" appears twice')
+        missing = next((k for k in PLAN_REQUIRED if k not in band), None)
+        if missing is not None:
+            raise PlanError(f'band {i}: "{missing}" is missing')
+        if not _is_int(band["min_rows"], 1):
+            raise PlanError(f"band {i}: min_rows must be an integer from 1 to {PLAN_INT_MAX}")
+        for key in ("runtime", "artifact"):
+            if not _is_name(band[key]):
+                raise PlanError(f"band {i}: {key} must be a name ({_NAME_RULE})")
+        column, method = band.get("output_column"), band.get("method")
+        if column is not None and not _is_int(column, 0):
+            raise PlanError(f"band {i}: output_column must be null or an integer from 0 to {PLAN_INT_MAX}")
+        if method is not None and not _is_name(method):
+            raise PlanError(f"band {i}: method must be null or a name ({_NAME_RULE})")
+        if i == 1 and band["min_rows"] != 1:
+            raise PlanError(f"band 1: min_rows must be 1 (the first band starts at one row), not {band['min_rows']}")
+        if i > 1 and band["min_rows"] <= plan[-1]["min_rows"]:
+            raise PlanError(f"band {i}: min_rows {band['min_rows']} does not ascend from band {i - 1}'s {plan[-1]['min_rows']}")
+        plan.append({"min_rows": band["min_rows"], "runtime": band["runtime"], "artifact": band["artifact"], "output_column": column, "method": method})
+    return plan
+
+
+def plan_error_message(model_name, detail):
+    """How a load reports an unreadable plan (the native backend words it the same)."""
+    return f"model {model_name}: config parameter {PARAM_DISPATCH} cannot be read ({detail}); recompile the model (scorestack compile)"
 
 
 # --- runners: one class per artifact format -------------------------------------------------------
@@ -425,7 +578,7 @@ class Band:
 
 
 def _bands(name, params):
-    """The bands the config declares: PARAM_DISPATCH's list, or the single artifact as one band from 1 row."""
+    """The bands the config declares: PARAM_DISPATCH's plan, or the single artifact as one band from 1 row."""
     runtime = params.get(PARAM_RUNTIME) or "onnxruntime"
     if runtime != DISPATCH:
         column = (params.get(PARAM_OUTPUT_COLUMN) or "").strip()
@@ -437,13 +590,11 @@ def _bands(name, params):
             "method": params.get(PARAM_METHOD) or None,
         }]
     try:
-        bands = json.loads(params.get(PARAM_DISPATCH) or "")
-        starts = [int(b["min_rows"]) for b in bands]
-    except (ValueError, TypeError, KeyError) as exc:
-        raise RuntimeLoadError(f"model {name}: {PARAM_DISPATCH} must be a JSON list of bands with min_rows, runtime and artifact ({exc})") from None
-    if not starts or starts[0] != 1 or any(b <= a for a, b in zip(starts, starts[1:])):
-        raise RuntimeLoadError(f"model {name}: {PARAM_DISPATCH} bands must start at min_rows 1 and ascend, got {starts}")
-    return bands
+        if PARAM_DISPATCH not in params:
+            raise PlanError("the parameter is missing")
+        return parse_dispatch(params[PARAM_DISPATCH])
+    except PlanError as exc:
+        raise RuntimeLoadError(plan_error_message(name, exc)) from None
 
 
 def _load_band(name, version_dir, band, threads, params, output_names):

@@ -5,13 +5,15 @@
  * whose config says `backend: "scorestack"`; Triton looks for a backend library in the version
  * folder first. A model it serves is a list of bands, each a shared library exporting the batch ABI
  * of compile/_tree_commons.py (scorestack_predict_batch / scorestack_output_shape /
- * scorestack_result_type), as the config parameter `scorestack_native` states:
- *
- *     "<output tensor> <min_rows> <artifact> <output column or -1> [<min_rows> <artifact> <column>]..."
+ * scorestack_result_type). It reads the same config parameters as the Python runtime
+ * (scorestack_runtime.py), which defines them: scorestack_runtime "tl2cgen" with scorestack_artifact
+ * (and scorestack_output_column) for one library, or scorestack_runtime "dispatch" with the plan in
+ * scorestack_dispatch, whose format is specified once in scorestack_runtime.py (parse_dispatch) and
+ * read here by parse_plan, band for band, refusal for refusal.
  *
  * A joined batch of n rows runs on the last band whose min_rows <= n, exactly as the Python runtime
- * (scorestack_runtime.py) chooses. Before anything loads, every file in the version folder's
- * SHA256SUMS is checked (parameter scorestack_integrity "sha256"), as the Python runtime does.
+ * chooses. Before anything loads, the version folder passes the SHA256SUMS rule stated in
+ * scorestack_runtime.py (parameter scorestack_integrity "sha256"), with the same messages.
  *
  * Why: the Python backend costs a request a round trip through shared memory to a stub process
  * (server CPU per request at 64 callers: 324 µs through it vs 179 µs through this backend, same
@@ -31,6 +33,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
 #include <time.h>
 
 /* ---- the parts of Triton's C API used here (opaque handles, enums by value) ---- */
@@ -86,7 +90,7 @@ extern TRITONSERVER_Error* TRITONBACKEND_ModelInstanceReportBatchStatistics(TRIT
                                                                             uint64_t exec_start_ns, uint64_t compute_start_ns, uint64_t compute_end_ns,
                                                                             uint64_t exec_end_ns);
 
-#define MAX_BANDS 8
+#define MAX_BANDS 16 /* PLAN_MAX_BANDS */
 #define MAX_THREADS 64
 #define PARALLEL_MIN_ROWS 256 /* below this a thread costs more than it saves (as the Python runner) */
 #define MSG 1024
@@ -192,10 +196,16 @@ static void sha256_hex(Sha256* s, char out[65]) {
   out[64] = 0;
 }
 
-/* Digest of a file as lowercase hex; 0 on success, errno otherwise. Exported for the tests. */
+/* Digest of a file as lowercase hex; 0 on success, errno otherwise (EISDIR for a folder, as open(2)
+ * reports it to Python). Exported for the tests. */
 int scorestack_file_sha256(const char* path, char out[65]) {
   FILE* fh = fopen(path, "rb");
   if (fh == NULL) return errno ? errno : ENOENT;
+  struct stat st;
+  if (fstat(fileno(fh), &st) == 0 && S_ISDIR(st.st_mode)) {
+    fclose(fh);
+    return EISDIR;
+  }
   Sha256 s;
   sha256_init(&s);
   unsigned char chunk[1 << 16];
@@ -207,68 +217,196 @@ int scorestack_file_sha256(const char* path, char out[65]) {
   return err;
 }
 
-/* Every file SHA256SUMS lists must exist and match: the same rule and messages as
- * scorestack_runtime.check_integrity. Messages name the repository's file (.scorestack_origin). */
-static TRITONSERVER_Error* check_integrity(const char* model, const char* vdir) {
-  char path[4096], origin[3072] = "", line[4096];
+/* ---- integrity: the SHA256SUMS rule ----
+ * The rule and its messages are stated once, in scorestack_runtime.py (INTEGRITY_MESSAGES and the
+ * comment above it); this is the same rule, message for message, and tests/test_contracts.py runs
+ * both on one set of version folders. */
+
+/* One manifest line (without its "\n"): 1 with the digest and name set, 0 for an empty line, -1 if
+ * it is not "<64 lowercase hex digits><space><space or *><file name>". */
+static int manifest_line(char* line, size_t len, char** digest, char** name) {
+  if (len > 0 && line[len - 1] == '\r') line[--len] = 0;
+  if (len == 0) return 0;
+  if (len < 67 || line[64] != ' ' || (line[65] != ' ' && line[65] != '*')) return -1;
+  for (int i = 0; i < 64; ++i)
+    if (!((line[i] >= '0' && line[i] <= '9') || (line[i] >= 'a' && line[i] <= 'f'))) return -1;
+  if (memchr(line + 66, '/', len - 66) != NULL || memchr(line, 0, len) != NULL) return -1;
+  line[64] = 0;
+  *digest = line;
+  *name = line + 66;
+  return 1;
+}
+
+/* 0 when the version folder passes the rule, else a Triton error code and the message in msg.
+ * Exported for the tests. */
+int scorestack_check_manifest(const char* model, const char* vdir, char* msg, size_t cap) {
+  char path[4096], folder[PATH_MAX] = "";
   snprintf(path, sizeof path, "%s/.scorestack_origin", vdir);
   FILE* fo = fopen(path, "r");
   if (fo != NULL) {
-    if (fgets(origin, sizeof origin, fo) == NULL) origin[0] = 0;
-    origin[strcspn(origin, "\r\n")] = 0;
+    if (fgets(folder, sizeof folder, fo) == NULL) folder[0] = 0;
+    folder[strcspn(folder, "\r\n")] = 0;
     fclose(fo);
   }
-  const char* shown_dir = origin[0] ? origin : vdir;
+  if (folder[0] == 0 && realpath(vdir, folder) == NULL) snprintf(folder, sizeof folder, "%s", vdir);
   snprintf(path, sizeof path, "%s/SHA256SUMS", vdir);
-  FILE* fh = fopen(path, "r");
-  if (fh == NULL)
-    return fail(ERR_NOT_FOUND,
-                "model %s: %s/SHA256SUMS is missing, so the artifact cannot be checked; recompile the model (scorestack compile) or restore the version folder",
-                model, shown_dir);
-  TRITONSERVER_Error* err = NULL;
-  while (err == NULL && fgets(line, sizeof line, fh) != NULL) {
-    line[strcspn(line, "\r\n")] = 0;
-    char* sep = strchr(line, ' ');
-    if (sep == NULL) continue;
-    *sep = 0;
-    const char* name = sep + 1;
-    while (*name == ' ' || *name == '*') ++name;
-    char want[65], got[65];
-    if (strlen(line) != 64) {
-      err = fail(ERR_INVALID_ARG, "model %s: %s/SHA256SUMS: the line for %s has no SHA-256 digest; recompile the model", model, shown_dir, name);
-      break;
+  FILE* fh = fopen(path, "rb");
+  if (fh == NULL && errno == ENOENT) {
+    snprintf(msg, cap,
+             "model %s: %s/SHA256SUMS is missing, so the artifact cannot be checked; recompile the model (scorestack compile) or restore the version "
+             "folder",
+             model, folder);
+    return ERR_NOT_FOUND;
+  }
+  struct stat st;
+  int open_err = fh == NULL ? errno : (fstat(fileno(fh), &st) == 0 && S_ISDIR(st.st_mode)) ? EISDIR : 0;
+  if (open_err) {
+    if (fh != NULL) fclose(fh);
+    snprintf(msg, cap, "model %s: cannot read %s/SHA256SUMS: %s", model, folder, strerror(open_err));
+    return ERR_INTERNAL;
+  }
+  char* line = NULL;
+  size_t line_cap = 0;
+  ssize_t len;
+  int code = 0, number = 0, entries = 0;
+  char *digest, *name;
+  /* First pass: every line's form, then that there is a file to check. */
+  while (code == 0 && (len = getline(&line, &line_cap, fh)) >= 0) {
+    ++number;
+    if (len > 0 && line[len - 1] == '\n') line[--len] = 0;
+    int kind = manifest_line(line, (size_t)len, &digest, &name);
+    if (kind < 0) {
+      snprintf(msg, cap,
+               "model %s: %s/SHA256SUMS line %d is not '<sha256>  <file>'; recompile the model (scorestack compile) or restore the version folder", model,
+               folder, number);
+      code = ERR_INVALID_ARG;
     }
-    memcpy(want, line, 65);
+    entries += kind > 0;
+  }
+  if (code == 0 && ferror(fh)) {
+    snprintf(msg, cap, "model %s: cannot read %s/SHA256SUMS: %s", model, folder, strerror(EIO));
+    code = ERR_INTERNAL;
+  }
+  if (code == 0 && entries == 0) {
+    snprintf(msg, cap,
+             "model %s: %s/SHA256SUMS lists no files, so the artifact cannot be checked; recompile the model (scorestack compile) or restore the version "
+             "folder",
+             model, folder);
+    code = ERR_INVALID_ARG;
+  }
+  /* Second pass: file by file, in the manifest's order. */
+  if (code == 0) rewind(fh);
+  while (code == 0 && (len = getline(&line, &line_cap, fh)) >= 0) {
+    if (len > 0 && line[len - 1] == '\n') line[--len] = 0;
+    if (manifest_line(line, (size_t)len, &digest, &name) <= 0) continue;
+    char got[65];
     snprintf(path, sizeof path, "%s/%s", vdir, name);
     int rc = scorestack_file_sha256(path, got);
-    if (rc == ENOENT)
-      err = fail(ERR_NOT_FOUND, "model %s: %s/%s listed in SHA256SUMS is missing; recompile or restore it", model, shown_dir, name);
-    else if (rc != 0)
-      err = fail(ERR_INTERNAL, "model %s: cannot read %s/%s: %s", model, shown_dir, name, strerror(rc));
-    else if (strcmp(got, want) != 0)
-      err = fail(ERR_INVALID_ARG,
-                 "model %s: %s/%s is corrupted or was modified after compile (sha256 %.16s…, compiled as %.16s…); refusing to load it. "
-                 "Recompile the model or restore the file",
-                 model, shown_dir, name, got, want);
+    if (rc == ENOENT) {
+      snprintf(msg, cap, "model %s: %s/%s listed in SHA256SUMS is missing; recompile or restore it", model, folder, name);
+      code = ERR_NOT_FOUND;
+    } else if (rc != 0) {
+      snprintf(msg, cap, "model %s: cannot read %s/%s: %s", model, folder, name, strerror(rc));
+      code = ERR_INTERNAL;
+    } else if (strcmp(got, digest) != 0) {
+      snprintf(msg, cap,
+               "model %s: %s/%s is corrupted or was modified after compile (sha256 %.16s…, compiled as %.16s…); refusing to load it. Recompile the model "
+               "or restore the file",
+               model, folder, name, got, digest);
+      code = ERR_INVALID_ARG;
+    }
   }
+  free(line);
   fclose(fh);
-  return err;
+  return code;
+}
+
+static TRITONSERVER_Error* check_integrity(const char* model, const char* vdir) {
+  char msg[MSG];
+  int code = scorestack_check_manifest(model, vdir, msg, sizeof msg);
+  return code ? TRITONSERVER_ErrorNew(code, msg) : NULL;
+}
+
+/* ---- JSON strings: the config's values, and the strings of a dispatch plan ---- */
+static int hex4(const char* p, const char* end, unsigned* cp) {
+  if (end - p < 4) return 0;
+  *cp = 0;
+  for (int i = 0; i < 4; ++i) {
+    char c = p[i];
+    unsigned d = (c >= '0' && c <= '9') ? (unsigned)(c - '0') : (c >= 'a' && c <= 'f') ? (unsigned)(c - 'a' + 10) : (c >= 'A' && c <= 'F') ? (unsigned)(c - 'A' + 10) : 16u;
+    if (d > 15) return 0;
+    *cp = *cp << 4 | d;
+  }
+  return 1;
+}
+
+/* Decode the JSON string starting after its opening quote at *p; *p ends after the closing quote.
+ * Up to cap - 1 bytes go to out (NUL-terminated); *len is the full decoded length (it may exceed
+ * cap - 1: then out holds its start). \uXXXX becomes UTF-8. 0 if it is not a JSON string. */
+static int json_string(const char** p, const char* end, char* out, size_t cap, size_t* len) {
+  const char* q = *p;
+  size_t n = 0;
+#define PUT(byte)                                  \
+  do {                                             \
+    if (n + 1 < cap) out[n] = (char)(byte);        \
+    ++n;                                           \
+  } while (0)
+  while (q < end && *q != '"') {
+    unsigned char c = (unsigned char)*q++;
+    if (c < 0x20) return 0;
+    if (c != '\\') {
+      PUT(c);
+      continue;
+    }
+    if (q >= end) return 0;
+    char e = *q++;
+    unsigned cp;
+    switch (e) {
+      case '"': PUT('"'); break;
+      case '\\': PUT('\\'); break;
+      case '/': PUT('/'); break;
+      case 'b': PUT('\b'); break;
+      case 'f': PUT('\f'); break;
+      case 'n': PUT('\n'); break;
+      case 'r': PUT('\r'); break;
+      case 't': PUT('\t'); break;
+      case 'u':
+        if (!hex4(q, end, &cp)) return 0;
+        q += 4;
+        if (cp < 0x80) PUT(cp);
+        else if (cp < 0x800) {
+          PUT(0xC0 | cp >> 6);
+          PUT(0x80 | (cp & 0x3F));
+        } else {
+          PUT(0xE0 | cp >> 12);
+          PUT(0x80 | ((cp >> 6) & 0x3F));
+          PUT(0x80 | (cp & 0x3F));
+        }
+        break;
+      default: return 0;
+    }
+  }
+#undef PUT
+  if (q >= end) return 0;
+  if (cap > 0) out[n < cap ? n : cap - 1] = 0;
+  *len = n;
+  *p = q + 1;
+  return 1;
 }
 
 /* ---- the model config: the few values read from its JSON ---- */
-/* The string value of parameter `key` ({"key":{"string_value":"..."}}), copied into out. */
-static int config_parameter(const char* json, const char* key, char* out, size_t cap) {
+/* The string value of parameter `key` ({"key":{"string_value":"..."}}), decoded into out: 1, with
+ * *len its length; 0 if the config has no such parameter; -1 if it is longer than cap - 1 bytes. */
+static int config_parameter(const char* json, const char* key, char* out, size_t cap, size_t* len) {
   char pattern[160];
   snprintf(pattern, sizeof pattern, "\"%s\":{\"string_value\":\"", key);
   const char* p = strstr(json, pattern);
   if (p == NULL) return 0;
   p += strlen(pattern);
   size_t n = 0;
-  while (p[n] && p[n] != '"' && n + 1 < cap) ++n;
-  if (p[n] != '"') return 0; /* escaped or too long: not a value this backend writes */
-  memcpy(out, p, n);
-  out[n] = 0;
-  return 1;
+  if (!json_string(&p, p + strlen(p), out, cap, &n)) return 0;
+  if (len != NULL) *len = n;
+  return n < cap ? 1 : -1;
 }
 
 static int64_t dims_product(const char* p) {
@@ -285,6 +423,287 @@ static int64_t dims_product(const char* p) {
     p = end;
   }
   return width;
+}
+
+/* ---- the dispatch plan (config parameter scorestack_dispatch) ----
+ * The format, the order of its checks and its messages are specified once, in scorestack_runtime.py
+ * (the comment above parse_dispatch); this reader accepts and refuses the same texts with the same
+ * messages (tests/test_contracts.py runs both on one set of plans). It parses the whole text first
+ * (JSON syntax, as Python's json module), then checks the bands in the specified order. */
+#define PLAN_MAX_BYTES 16383
+#define PLAN_MAX_BANDS 16
+#define PLAN_INT_MAX 2147483647LL
+#define PLAN_NAME_MAX 255
+#define PLAN_DEPTH_MAX 256 /* nesting inside a value: refused as "not valid JSON" beyond this */
+static const char* const PLAN_KEYS[5] = {"min_rows", "runtime", "artifact", "output_column", "method"};
+enum { K_MIN_ROWS, K_RUNTIME, K_ARTIFACT, K_COLUMN, K_METHOD };
+enum { V_ABSENT = 0, V_INT, V_OTHER_NUMBER, V_STRING, V_NULL, V_OTHER };
+
+typedef struct {
+  int kind;
+  long long i; /* V_INT: the value, when !big */
+  int big;     /* V_INT beyond +-PLAN_INT_MAX */
+  char s[PLAN_NAME_MAX + 2];
+  size_t len; /* V_STRING: decoded length */
+} PlanValue;
+
+typedef struct {
+  int is_object;
+  char unknown[64]; /* the first unknown key, as much of it as fits */
+  int has_unknown;
+  int repeated; /* the first key met twice (index into PLAN_KEYS), or -1 */
+  unsigned seen;
+  PlanValue v[5];
+} PlanRaw;
+
+typedef struct {
+  int64_t min_rows;
+  char runtime[PLAN_NAME_MAX + 1];
+  char artifact[PLAN_NAME_MAX + 1];
+  int64_t column; /* -1: null */
+  char method[PLAN_NAME_MAX + 1]; /* "": null */
+} PlanBand;
+
+typedef struct {
+  const char* p;
+  const char* end;
+} Cursor;
+
+static void ws(Cursor* c) {
+  while (c->p < c->end && (*c->p == ' ' || *c->p == '\t' || *c->p == '\n' || *c->p == '\r')) ++c->p;
+}
+
+static int literal(Cursor* c, const char* word) {
+  size_t n = strlen(word);
+  if ((size_t)(c->end - c->p) < n || memcmp(c->p, word, n) != 0) return 0;
+  c->p += n;
+  return 1;
+}
+
+static int digit(Cursor* c) { return c->p < c->end && *c->p >= '0' && *c->p <= '9'; }
+
+/* A JSON number (and Python's NaN / Infinity / -Infinity, which its json module reads as floats). */
+static int plan_number(Cursor* c, PlanValue* v) {
+  int neg = c->p < c->end && *c->p == '-';
+  if (neg) ++c->p;
+  if (literal(c, "Infinity") || (!neg && literal(c, "NaN"))) return v->kind = V_OTHER_NUMBER, 1;
+  if (!digit(c)) return 0;
+  long long value = 0;
+  int big = 0;
+  if (*c->p == '0') ++c->p;
+  else
+    while (digit(c)) {
+      value = value * 10 + (*c->p++ - '0');
+      if (value > PLAN_INT_MAX) big = 1, value = PLAN_INT_MAX;
+    }
+  v->kind = V_INT;
+  if (c->p < c->end && *c->p == '.') {
+    ++c->p;
+    if (!digit(c)) return 0;
+    while (digit(c)) ++c->p;
+    v->kind = V_OTHER_NUMBER;
+  }
+  if (c->p < c->end && (*c->p == 'e' || *c->p == 'E')) {
+    ++c->p;
+    if (c->p < c->end && (*c->p == '+' || *c->p == '-')) ++c->p;
+    if (!digit(c)) return 0;
+    while (digit(c)) ++c->p;
+    v->kind = V_OTHER_NUMBER;
+  }
+  v->i = neg ? -value : value;
+  v->big = big;
+  return 1;
+}
+
+static int plan_value(Cursor* c, PlanValue* v, int depth);
+
+/* An object or array inside a value: only its syntax matters (a band's value must not be one). */
+static int plan_container(Cursor* c, int depth) {
+  char close = *c->p == '{' ? '}' : ']';
+  int object = close == '}';
+  ++c->p;
+  if (depth > PLAN_DEPTH_MAX) return 0;
+  ws(c);
+  if (c->p < c->end && *c->p == close) return ++c->p, 1;
+  for (;;) {
+    PlanValue scratch;
+    if (object) {
+      char key[8];
+      size_t n;
+      if (c->p >= c->end || *c->p != '"') return 0;
+      ++c->p;
+      if (!json_string(&c->p, c->end, key, sizeof key, &n)) return 0;
+      ws(c);
+      if (c->p >= c->end || *c->p != ':') return 0;
+      ++c->p;
+      ws(c);
+    }
+    if (!plan_value(c, &scratch, depth + 1)) return 0;
+    ws(c);
+    if (c->p < c->end && *c->p == ',') {
+      ++c->p;
+      ws(c);
+      continue;
+    }
+    if (c->p < c->end && *c->p == close) return ++c->p, 1;
+    return 0;
+  }
+}
+
+static int plan_value(Cursor* c, PlanValue* v, int depth) {
+  memset(v, 0, sizeof *v);
+  if (c->p >= c->end) return 0;
+  char ch = *c->p;
+  if (ch == '"') {
+    ++c->p;
+    v->kind = V_STRING;
+    return json_string(&c->p, c->end, v->s, sizeof v->s, &v->len);
+  }
+  if (ch == '-' || (ch >= '0' && ch <= '9') || ch == 'N' || ch == 'I') return plan_number(c, v);
+  if (literal(c, "null")) return v->kind = V_NULL, 1;
+  if (literal(c, "true") || literal(c, "false")) return v->kind = V_OTHER, 1;
+  if (ch == '{' || ch == '[') return v->kind = V_OTHER, plan_container(c, depth);
+  return 0;
+}
+
+/* One element of the plan's list: a band object (its keys and values recorded), or anything else. */
+static int plan_band(Cursor* c, PlanRaw* b) {
+  memset(b, 0, sizeof *b);
+  b->repeated = -1;
+  if (c->p >= c->end || *c->p != '{') {
+    PlanValue scratch;
+    return plan_value(c, &scratch, 1);
+  }
+  b->is_object = 1;
+  ++c->p;
+  ws(c);
+  if (c->p < c->end && *c->p == '}') return ++c->p, 1;
+  for (;;) {
+    char key[64];
+    size_t n;
+    if (c->p >= c->end || *c->p != '"') return 0;
+    ++c->p;
+    if (!json_string(&c->p, c->end, key, sizeof key, &n)) return 0;
+    ws(c);
+    if (c->p >= c->end || *c->p != ':') return 0;
+    ++c->p;
+    ws(c);
+    int k = -1;
+    for (int i = 0; i < 5 && n < sizeof key; ++i)
+      if (n == strlen(PLAN_KEYS[i]) && memcmp(key, PLAN_KEYS[i], n) == 0) k = i;
+    PlanValue scratch;
+    if (!plan_value(c, k >= 0 ? &b->v[k] : &scratch, 1)) return 0;
+    if (k < 0 && !b->has_unknown) b->has_unknown = 1, snprintf(b->unknown, sizeof b->unknown, "%s", key);
+    if (k >= 0 && (b->seen & (1u << k)) && b->repeated < 0) b->repeated = k;
+    if (k >= 0) b->seen |= 1u << k;
+    ws(c);
+    if (c->p < c->end && *c->p == ',') {
+      ++c->p;
+      ws(c);
+      continue;
+    }
+    if (c->p < c->end && *c->p == '}') return ++c->p, 1;
+    return 0;
+  }
+}
+
+static int plan_is_int(const PlanValue* v, long long lo) { return v->kind == V_INT && !v->big && v->i >= lo && v->i <= PLAN_INT_MAX; }
+
+static int plan_is_name(const PlanValue* v) {
+  if (v->kind != V_STRING || v->len == 0 || v->len > PLAN_NAME_MAX || v->s[0] == '.') return 0;
+  for (size_t i = 0; i < v->len; ++i) {
+    char ch = v->s[i];
+    if (!((ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '+' || ch == '-')) return 0;
+  }
+  return 1;
+}
+
+#define NAME_RULE "letters, digits and . _ + -, not starting with ."
+
+/* The plan's bands (at most PLAN_MAX_BANDS), their number returned; 0 with the reason in err. */
+static int parse_plan(const char* text, size_t len, PlanBand* out, char* err, size_t cap) {
+  if (len > PLAN_MAX_BYTES) return snprintf(err, cap, "longer than %d bytes", PLAN_MAX_BYTES), 0;
+  PlanRaw raw[PLAN_MAX_BANDS];
+  Cursor c = {text, text + len};
+  int n = 0, is_list = 0;
+  ws(&c);
+  if (c.p < c.end && *c.p == '[') {
+    is_list = 1;
+    ++c.p;
+    ws(&c);
+    if (c.p < c.end && *c.p == ']') ++c.p;
+    else
+      for (;;) {
+        PlanRaw scratch;
+        if (!plan_band(&c, n < PLAN_MAX_BANDS ? &raw[n] : &scratch)) return snprintf(err, cap, "not valid JSON"), 0;
+        ++n;
+        ws(&c);
+        if (c.p < c.end && *c.p == ',') {
+          ++c.p;
+          ws(&c);
+          continue;
+        }
+        if (c.p < c.end && *c.p == ']') {
+          ++c.p;
+          break;
+        }
+        return snprintf(err, cap, "not valid JSON"), 0;
+      }
+  } else {
+    PlanValue scratch;
+    if (!plan_value(&c, &scratch, 0)) return snprintf(err, cap, "not valid JSON"), 0;
+  }
+  ws(&c);
+  if (c.p != c.end) return snprintf(err, cap, "not valid JSON"), 0;
+  if (!is_list) return snprintf(err, cap, "not a JSON list of bands"), 0;
+  if (n == 0) return snprintf(err, cap, "no bands"), 0;
+  if (n > PLAN_MAX_BANDS) return snprintf(err, cap, "more than %d bands", PLAN_MAX_BANDS), 0;
+  for (int i = 0; i < n; ++i) {
+    const PlanRaw* b = &raw[i];
+    int k;
+    if (!b->is_object) return snprintf(err, cap, "band %d is not a JSON object", i + 1), 0;
+    if (b->has_unknown)
+      return snprintf(err, cap, "band %d: unknown key \"%s\" (a band has min_rows, runtime, artifact, output_column, method)", i + 1, b->unknown), 0;
+    if (b->repeated >= 0) return snprintf(err, cap, "band %d: key \"%s\" appears twice", i + 1, PLAN_KEYS[b->repeated]), 0;
+    for (k = 0; k < 3; ++k)
+      if (!(b->seen & (1u << k))) return snprintf(err, cap, "band %d: \"%s\" is missing", i + 1, PLAN_KEYS[k]), 0;
+    if (!plan_is_int(&b->v[K_MIN_ROWS], 1)) return snprintf(err, cap, "band %d: min_rows must be an integer from 1 to %lld", i + 1, PLAN_INT_MAX), 0;
+    if (!plan_is_name(&b->v[K_RUNTIME])) return snprintf(err, cap, "band %d: runtime must be a name (" NAME_RULE ")", i + 1), 0;
+    if (!plan_is_name(&b->v[K_ARTIFACT])) return snprintf(err, cap, "band %d: artifact must be a name (" NAME_RULE ")", i + 1), 0;
+    const PlanValue *column = &b->v[K_COLUMN], *method = &b->v[K_METHOD];
+    if (column->kind != V_ABSENT && column->kind != V_NULL && !plan_is_int(column, 0))
+      return snprintf(err, cap, "band %d: output_column must be null or an integer from 0 to %lld", i + 1, PLAN_INT_MAX), 0;
+    if (method->kind != V_ABSENT && method->kind != V_NULL && !plan_is_name(method))
+      return snprintf(err, cap, "band %d: method must be null or a name (" NAME_RULE ")", i + 1), 0;
+    long long rows = b->v[K_MIN_ROWS].i;
+    if (i == 0 && rows != 1) return snprintf(err, cap, "band 1: min_rows must be 1 (the first band starts at one row), not %lld", rows), 0;
+    if (i > 0 && rows <= out[i - 1].min_rows)
+      return snprintf(err, cap, "band %d: min_rows %lld does not ascend from band %d's %lld", i + 1, rows, i, (long long)out[i - 1].min_rows), 0;
+    out[i].min_rows = rows;
+    snprintf(out[i].runtime, sizeof out[i].runtime, "%s", b->v[K_RUNTIME].s);
+    snprintf(out[i].artifact, sizeof out[i].artifact, "%s", b->v[K_ARTIFACT].s);
+    out[i].column = column->kind == V_INT ? column->i : -1;
+    snprintf(out[i].method, sizeof out[i].method, "%s", method->kind == V_STRING ? method->s : "");
+  }
+  return n;
+}
+
+/* The plan read back as JSON with all five keys per band (the tests compare it with Python's
+ * reading); or 0 and the reason. Exported for the tests. */
+int scorestack_parse_dispatch(const char* text, size_t len, char* out, size_t cap) {
+  PlanBand bands[PLAN_MAX_BANDS];
+  int n = parse_plan(text, len, bands, out, cap);
+  if (n == 0) return 0;
+  size_t used = (size_t)snprintf(out, cap, "[");
+  for (int i = 0; i < n && used < cap; ++i) {
+    char column[24] = "null", method[PLAN_NAME_MAX + 3] = "null";
+    if (bands[i].column >= 0) snprintf(column, sizeof column, "%lld", (long long)bands[i].column);
+    if (bands[i].method[0]) snprintf(method, sizeof method, "\"%s\"", bands[i].method);
+    used += (size_t)snprintf(out + used, cap - used, "%s{\"min_rows\":%lld,\"runtime\":\"%s\",\"artifact\":\"%s\",\"output_column\":%s,\"method\":%s}",
+                             i ? "," : "", (long long)bands[i].min_rows, bands[i].runtime, bands[i].artifact, column, method);
+  }
+  if (used < cap) snprintf(out + used, cap - used, "]");
+  return n;
 }
 
 static void free_state(ModelState* s) {
@@ -347,13 +766,23 @@ TRITONSERVER_Error* TRITONBACKEND_ModelInitialize(TRITONBACKEND_Model* model) {
     return err;
   }
   ModelState* s = calloc(1, sizeof *s);
-  char vdir[3072], plan[2048], integrity[32] = "", threads[16] = "1";
+  if (s == NULL) {
+    TRITONSERVER_MessageDelete(config);
+    return TRITONSERVER_ErrorNew(ERR_INTERNAL, "out of memory loading a scorestack model");
+  }
+  static __thread char plan_text[PLAN_MAX_BYTES + 1];
+  char vdir[3072], runtime[64] = "", artifact[PLAN_NAME_MAX + 1] = "", column[32] = "", integrity[32] = "", threads[16] = "1";
+  size_t plan_len = 0;
   snprintf(s->name, sizeof s->name, "%s", name);
   snprintf(vdir, sizeof vdir, "%s/%llu", location, (unsigned long long)version);
-  /* the JSON is a copy we own only until the message is deleted: read everything now */
-  int has_plan = config_parameter(json, "scorestack_native", plan, sizeof plan);
-  config_parameter(json, "scorestack_integrity", integrity, sizeof integrity);
-  config_parameter(json, "scorestack_threads", threads, sizeof threads);
+  /* the JSON is a copy we own only until the message is deleted: read everything now. The
+   * parameters are the Python runtime's (scorestack_runtime.py): one artifact, or a dispatch plan. */
+  int has_runtime = config_parameter(json, "scorestack_runtime", runtime, sizeof runtime, NULL);
+  int has_plan = config_parameter(json, "scorestack_dispatch", plan_text, sizeof plan_text, &plan_len);
+  int has_artifact = config_parameter(json, "scorestack_artifact", artifact, sizeof artifact, NULL);
+  int has_column = config_parameter(json, "scorestack_output_column", column, sizeof column, NULL);
+  config_parameter(json, "scorestack_integrity", integrity, sizeof integrity, NULL);
+  config_parameter(json, "scorestack_threads", threads, sizeof threads, NULL);
   s->threads = atoi(threads);
   if (s->threads < 1) s->threads = 1;
   if (s->threads > MAX_THREADS) s->threads = MAX_THREADS;
@@ -361,35 +790,58 @@ TRITONSERVER_Error* TRITONBACKEND_ModelInitialize(TRITONBACKEND_Model* model) {
   int64_t in_width = in_block ? dims_product(in_block) : -1;
   const char* out_block = strstr(json, "\"output\":[");
   s->out_width = out_block ? dims_product(out_block) : -1;
+  const char* out_name = out_block ? strstr(out_block, "\"name\":\"") : NULL;
+  size_t out_len = 0;
+  if (out_name != NULL) out_name += 8;
+  int has_output = out_name != NULL && json_string(&out_name, out_name + strlen(out_name), s->output, sizeof s->output, &out_len) && out_len > 0 &&
+                   out_len < sizeof s->output;
   TRITONSERVER_MessageDelete(config);
 
-  if (!has_plan) err = fail(ERR_INVALID_ARG, "model %s: config parameter scorestack_native is missing; recompile the model (scorestack compile)", s->name);
-  else if (in_width <= 0 || in_width > INT32_MAX || s->out_width <= 0)
+  if (in_width <= 0 || in_width > INT32_MAX || s->out_width <= 0 || !has_output)
     err = fail(ERR_INVALID_ARG, "model %s: the scorestack backend needs one FP32 input and one FP32 output with fixed dims", s->name);
   if (!err && strcmp(integrity, "sha256") == 0) err = check_integrity(s->name, vdir);
-  if (!err) {
-    s->n_features = (int32_t)in_width;
-    char* save = NULL;
-    char* tok = strtok_r(plan, " ", &save);
-    snprintf(s->output, sizeof s->output, "%s", tok ? tok : "");
-    while (!err && (tok = strtok_r(NULL, " ", &save)) != NULL) {
-      char* artifact = strtok_r(NULL, " ", &save);
-      char* column = strtok_r(NULL, " ", &save);
-      if (artifact == NULL || column == NULL || s->n_bands == MAX_BANDS) {
-        err = fail(ERR_INVALID_ARG, "model %s: scorestack_native must be '<output> <min_rows> <artifact> <column>...' with at most %d bands", s->name,
-                   MAX_BANDS);
-        break;
-      }
-      Band* b = &s->bands[s->n_bands++];
-      b->min_rows = strtoll(tok, NULL, 10);
-      b->column = strtoll(column, NULL, 10);
-      int64_t prev = s->n_bands > 1 ? s->bands[s->n_bands - 2].min_rows : 0;
-      if ((s->n_bands == 1 && b->min_rows != 1) || b->min_rows <= prev)
-        err = fail(ERR_INVALID_ARG, "model %s: scorestack_native bands must start at min_rows 1 and ascend", s->name);
-      else
-        err = load_band(s, b, vdir, artifact);
+  if (!err) s->n_features = (int32_t)in_width;
+  PlanBand bands[PLAN_MAX_BANDS];
+  int n = 0;
+  if (!err && has_runtime == 1 && strcmp(runtime, "dispatch") == 0) {
+    char why[MSG / 2];
+    if (has_plan == 0) snprintf(why, sizeof why, "the parameter is missing");
+    else if (has_plan < 0) snprintf(why, sizeof why, "longer than %d bytes", PLAN_MAX_BYTES);
+    n = has_plan == 1 ? parse_plan(plan_text, plan_len, bands, why, sizeof why) : 0;
+    if (n == 0)
+      err = fail(ERR_INVALID_ARG, "model %s: config parameter scorestack_dispatch cannot be read (%s); recompile the model (scorestack compile)", s->name,
+                 why);
+  } else if (!err) {
+    /* One artifact: the single-artifact parameters, read as the Python runtime reads them. */
+    char* end = column;
+    long long c = has_column == 1 && column[0] ? strtoll(column, &end, 10) : -1;
+    if (has_runtime != 1 || strcmp(runtime, "tl2cgen") != 0)
+      err = fail(ERR_INVALID_ARG, "model %s: config parameter scorestack_runtime is '%s'; scorestack's native backend runs tl2cgen or dispatch; recompile the model (scorestack compile)",
+                 s->name, has_runtime == 1 ? runtime : "");
+    else if (has_artifact != 1 || artifact[0] == 0)
+      err = fail(ERR_INVALID_ARG, "model %s: config parameter scorestack_artifact is missing; recompile the model (scorestack compile)", s->name);
+    else if (has_column < 0 || *end != 0 || c < -1 || c > PLAN_INT_MAX || (column[0] && c < 0))
+      err = fail(ERR_INVALID_ARG, "model %s: config parameter scorestack_output_column is not a column number; recompile the model (scorestack compile)", s->name);
+    else {
+      n = 1;
+      memset(&bands[0], 0, sizeof bands[0]);
+      bands[0].min_rows = 1;
+      snprintf(bands[0].runtime, sizeof bands[0].runtime, "%s", runtime);
+      snprintf(bands[0].artifact, sizeof bands[0].artifact, "%s", artifact);
+      bands[0].column = c;
     }
-    if (!err && s->n_bands == 0) err = fail(ERR_INVALID_ARG, "model %s: scorestack_native names no artifact", s->name);
+  }
+  for (int i = 0; !err && i < n; ++i) {
+    if (strcmp(bands[i].runtime, "tl2cgen") != 0) {
+      err = fail(ERR_INVALID_ARG,
+                 "model %s: band %d of scorestack_dispatch runs %s, and scorestack's native backend runs tl2cgen only; recompile the model (scorestack compile)",
+                 s->name, i + 1, bands[i].runtime);
+      break;
+    }
+    Band* b = &s->bands[s->n_bands++];
+    b->min_rows = bands[i].min_rows;
+    b->column = bands[i].column;
+    err = load_band(s, b, vdir, bands[i].artifact);
   }
   if (err) {
     free_state(s);
