@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .errors import FAILED, reported
+from .errors import FAILED, needs, reported
 
 
 @reported
@@ -29,6 +29,7 @@ def compile_command(
     Each compile adds a version to `<repository>/<name>/`; with --serve-url the running server loads
     it while the previous version finishes its requests.
     """
+    needs("scorestack compile", *_extras_for(specs))
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -77,3 +78,18 @@ def compile_command(
         console.print(f"[red]{r.name}[/] ({r.spec}):\n{r.error}")
     if failed or swap_errors:
         raise typer.Exit(code=FAILED)
+
+
+def _extras_for(specs: list[Path]) -> list[str]:
+    """The extras compiling `specs` needs: `compile`, and `vision` when one is an image model. A spec
+    that does not load is left to the compile, which reports it with the rest."""
+    from scorestack.compile.spec import load_spec
+
+    extras = ["compile"]
+    for path in specs:
+        try:
+            if load_spec(path).is_vision:
+                return [*extras, "vision"]
+        except Exception:  # a spec that does not load: compile_many reports it, per spec
+            continue
+    return extras

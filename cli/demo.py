@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from .errors import reported
+from .errors import needs, reported
 
 
 @reported
@@ -26,6 +26,8 @@ def demo(
     """Run the whole demo on this machine, with nothing else running and no flags needed."""
     if ctx.invoked_subcommand is not None:
         return
+    # It trains and compiles the demo's models; the digits CNN (vision requests) needs torch.
+    needs("scorestack demo", "compile", *(["vision"] if vision_requests > 0 else []))
     from rich.console import Console
 
     from scorestack.demo.run import run_demo
@@ -41,6 +43,7 @@ def train(
     vision: bool = typer.Option(False, "--vision/--no-vision", help="Also train the image classifiers (a small CNN and a small residual network on upsampled digits)."),
 ) -> None:
     """Train the demo models (fraud XGBoost, fraud scikit-learn, XGBRanker; with --vision the digit CNNs) and write their specs."""
+    needs("scorestack demo train", "compile", *(["vision"] if vision else []))
     from rich.console import Console
 
     from scorestack.demo.train import train_demo_models, train_vision_models
@@ -87,7 +90,7 @@ def diagnose(
     from rich.console import Console
 
     from scorestack import paths
-    from scorestack.client.diagnose import diagnosis_line, render
+    from scorestack.client.breakdown import diagnosis_line, render
     from scorestack.demo.traffic import DEFAULTS, run_diagnosis
     from scorestack.serve.security import ClientTls
 

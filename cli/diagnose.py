@@ -52,6 +52,7 @@ def diagnose(
 
     from scorestack import paths
     from scorestack.client import diagnose as dg
+    from scorestack.client.diagnosis import render_diagnoses, to_json
     from scorestack.serve.security import ClientTls
 
     # No wrapping: messages stay one line each, for logs and for whoever reads them by line.
@@ -88,9 +89,9 @@ def diagnose(
     else:
         result = asyncio.run(_replay_all(target, rows, requests or 500, concurrency or 1, rate, rows_per_request or 1, err))
     if json_out:
-        print(json.dumps(dg.to_json(result, url=url, stats_file=str(stats_file)), indent=1))
+        print(json.dumps(to_json(result, url=url, stats_file=str(stats_file)), indent=1))
     else:
-        print(dg.render_diagnoses(result))
+        print(render_diagnoses(result))
         print(f"window statistics saved to {stats_file} (for scorestack compile --batch-profile)")
 
 

@@ -5,6 +5,10 @@ Every command is wrapped by `reported`: an error scorestack raises on purpose pr
 line asked for something that cannot be done as asked). Typer's own usage errors (an unknown flag,
 a bad value: `typer.BadParameter`) keep typer's formatting and exit 2. Anything else is a bug and
 keeps its traceback.
+
+A command that needs an optional install (an extra: `compile`, `vision`, ...) says so first,
+`needs("scorestack compile", "compile")`; a missing one is an error naming the extra and its `pip install` line, exit 2.
+An import of an extra's module that fails deeper down is reported the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any, Callable, TypeVar
 import typer
 
 from scorestack.errors import ScorestackError
+from scorestack.extras import MissingExtra, extra_of, require
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,7 +36,7 @@ def exit_code(exc: BaseException) -> int | None:
     """The exit code of an error the command line reports as a message; None for one it does not (a bug)."""
     from pydantic import ValidationError
 
-    if isinstance(exc, (BadInvocation, ValidationError)):
+    if isinstance(exc, (BadInvocation, ValidationError, MissingExtra)):
         return USAGE
     if isinstance(exc, ScorestackError):
         return FAILED
@@ -61,6 +66,11 @@ def fail(exc: BaseException) -> typer.Exit:
     return typer.Exit(code)
 
 
+def needs(command: str, *extras: str) -> None:
+    """Stop `command` (`"scorestack compile"`) with an exit-2 message naming the `pip install` line unless `extras` are installed."""
+    require(command, *extras)
+
+
 def reported(func: F) -> F:
     """Wrap a command so the errors it raises are reported by `fail` (typer reads the wrapped signature)."""
 
@@ -70,6 +80,11 @@ def reported(func: F) -> F:
             return func(*args, **kwargs)
         except (BadInvocation, ScorestackError) as exc:
             raise fail(exc) from None
+        except ModuleNotFoundError as exc:
+            extra = extra_of(exc.name)
+            if extra is None:  # not an optional dependency: a broken install or a bug, keep the traceback
+                raise
+            raise fail(MissingExtra("this command", [extra], [(exc.name or "").split(".")[0]])) from None
         except ValueError as exc:
             if exit_code(exc) is None:  # not a pydantic ValidationError: a bug, keep the traceback
                 raise

@@ -12,18 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from scorestack.client.diagnose import (
-    ClientSide,
-    Diagnosis,
-    Target,
-    diagnose_model,
-    failure_delta,
-    load_report,
-    model_context,
-    open_client,
-    read_failures,
-    save_profile,
-)
+from scorestack.client.diagnose import Target, failure_delta, load_report, model_context, open_client, read_failures, save_profile
+from scorestack.client.diagnosis import ClientSide, Diagnosis, diagnose_model
 from scorestack.client.server_stats import ModelStats, read_statistics, settled
 from scorestack.errors import InferenceError
 

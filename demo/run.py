@@ -35,7 +35,7 @@ def run_demo(console, workspace: Path | None, n_fraud: int, n_ranking: int, n_ca
     (`<workspace>/model_repository`): the project's `model_repository/` stays the user's own.
     """
     from scorestack import paths
-    from scorestack.client.diagnose import diagnosis_line, render
+    from scorestack.client.breakdown import diagnosis_line, render
     from scorestack.compile import compile_model
     from scorestack.features import store
     from scorestack.serve import LocalTriton

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from scorestack.client.diagnose import Breakdown, measure
+from scorestack.client.breakdown import Breakdown, measure
 from scorestack.client.triton import TritonClient
 from scorestack.demo import data as demo_data
 from scorestack.serve.security import AdminKey, ClientTls, load_admin_key

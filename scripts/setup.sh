@@ -17,8 +17,10 @@ stamp=.venv/.scorestack-installed
 want=$(cat pyproject.toml deploy/scorestack/constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
-  # Every distribution at the version the images pin (deploy/scorestack/constraints.txt, written by
-  # deploy/scorestack/lock.py); torch is pinned in pyproject (torch==2.13.0, CPU build).
+  # The dev extra: the base install plus every extra the tests, the demo and the benchmarks use
+  # (compile, vision, hummingbird, bench; docs/deployment.md, "What to install"). Every distribution
+  # the image holds at the version it pins (deploy/scorestack/constraints.txt, written by
+  # deploy/scorestack/lock.py); torch is pinned in pyproject's extras (torch==2.13.0, CPU build).
   .venv/bin/python -m pip install --disable-pip-version-check -q -c deploy/scorestack/constraints.txt -e ".[dev]"
   echo "$want" > "$stamp"
 fi

@@ -1,32 +1,39 @@
-"""Start, health-check and stop a real Triton Inference Server on this machine."""
+"""Start, health-check and stop a real Triton Inference Server on this machine.
+
+`LocalTriton` is the launcher: it composes the parts of a server's life that live beside it in
+serve/: its process as scorestack's child (supervise.py: leftovers, parent-death, CPU set), its
+ports (ports.py), the local view it serves (view.py), readiness (readiness.py), admin calls
+(admin.py) and hot swap (reload.py).
+"""
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import glob
-import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
-import urllib.error
-import urllib.request
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection
 
-from scorestack import GRPC_CLIENT_EXPERIMENTS, paths
-from scorestack.errors import AdminKeyError, ConfigError, ServerError
+from scorestack import GRPC_CLIENT_EXPERIMENTS
+from scorestack.errors import ConfigError, ServerError
+from scorestack.serve.admin import ModelStatus, TritonAdmin, first_line
 from scorestack.serve.environment import ServerEnvironment, ensure_server_environment
+
+# The benchmarks still import free_port and free_ports from here (serve.ports is their home).
+from scorestack.serve.ports import PortReservation, free_port, free_ports
 from scorestack.serve.readiness import triton_endpoints, wait_until
-from scorestack.serve.security import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, ADMIN_KEY_HEADER, RESTRICTED_APIS, AdminKey, ServerTls, build_key_shim, is_loopback, key_handoff
-from scorestack.serve.view import LocalView, build_local_view, render_model
+from scorestack.serve.reload import RepositoryWatcher, fingerprint
+from scorestack.serve.security import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, RESTRICTED_APIS, AdminKey, ServerTls, build_key_shim, is_loopback, key_handoff
+from scorestack.serve.supervise import SUPERVISOR_ENV, child_setup, clean_leftovers, parse_cpus, supervisor_tag
+from scorestack.serve.view import LocalView, build_local_view
+
+__all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_EXIT_TIMEOUT_S", "DEFAULT_READY_TIMEOUT_S", "LocalTriton", "ModelStatus", "free_port", "free_ports"]
 
 log = logging.getLogger(__name__)
 
@@ -38,214 +45,6 @@ DEFAULT_EXIT_TIMEOUT_S = 30
 # How often Triton samples its CPU metrics; its stop waits for that thread's current sleep (Triton's
 # 2000 ms default cost ~0.9 s per stop here). Counters of requests are updated per request regardless.
 METRICS_INTERVAL_MS = 250
-# Every tritonserver we start (and its Python-backend stubs, which inherit the environment) carries
-# this variable naming its supervisor, so a later start can find and stop the orphans of one that died.
-SUPERVISOR_ENV = "SCORESTACK_SUPERVISOR"
-_PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    """Whether one model of the repository is being served, and if not, why."""
-
-    name: str
-    ready: bool
-    versions: tuple[str, ...] = ()
-    reason: str = ""
-
-
-def _process_start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _supervisor_tag(pid: int) -> str:
-    return f"{pid}:{_process_start_time(pid)}"
-
-
-def _supervisor_alive(tag: str) -> bool:
-    pid, _, start = tag.partition(":")
-    return pid.isdigit() and _process_start_time(int(pid)) == start
-
-
-def clean_leftovers() -> list[int]:
-    """Stop tritonservers and stubs whose supervising scorestack process is gone, and remove their
-    shared-memory regions. Returns the pids stopped."""
-    killed = []
-    me = os.getuid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{entry}").st_uid != me:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = fh.read().split(b"\0")
-        except OSError:
-            continue
-        tag = next((v.split(b"=", 1)[1].decode() for v in env if v.startswith(SUPERVISOR_ENV.encode() + b"=")), None)
-        if tag and not _supervisor_alive(tag):
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-                killed.append(int(entry))
-            except OSError:
-                pass
-    for path in glob.glob("/dev/shm/scorestack_*_*"):
-        owner = Path(path).name.split("_")[1]
-        if owner.isdigit() and _process_start_time(int(owner)) is None:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-    if killed:
-        log.warning("stopped %d leftover Triton processes of a scorestack run that died: %s", len(killed), killed)
-    return killed
-
-
-def _die_with_parent(parent: int):
-    """In the child before exec: SIGKILL when the parent dies (Linux parent-death signal)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-
-    def setup() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return setup
-
-
-def parse_cpus(cpus: "Collection[int] | str", *, field: str = "cpus") -> frozenset[int]:
-    """A CPU set for the server: ints, or a list like "1", "0,2" or "2-3", each CPU one this process may use.
-
-    On a machine shared by the server and its callers, a server confined to its own cores wakes its
-    threads (gRPC frontend, batcher, model instances) on one core instead of across cores; on the
-    2-core project machine that took the fraud model call at concurrency 1 (queue + compute +
-    network phases) from 0.59-0.61 to 0.40-0.44 ms (benchmarks/results/request_path.md).
-    """
-    if isinstance(cpus, str):
-        chosen: set[int] = set()
-        try:
-            for part in (p.strip() for p in cpus.split(",")):
-                if "-" in part:
-                    lo, hi = (int(x) for x in part.split("-", 1))
-                    if hi < lo:
-                        raise ValueError(part)
-                    chosen.update(range(lo, hi + 1))
-                elif part:
-                    chosen.add(int(part))
-        except ValueError:
-            raise ConfigError(f"{field}: {cpus!r} is not a CPU list; write e.g. \"1\", \"0,2\" or \"2-3\"") from None
-    else:
-        chosen = {int(c) for c in cpus}
-    allowed = os.sched_getaffinity(0)
-    if not chosen:
-        raise ConfigError(f"{field}: empty; name at least one of the CPUs this process may use ({_cpu_list(allowed)})")
-    outside = sorted(chosen - allowed)
-    if outside:
-        raise ConfigError(f"{field}: CPUs {outside} are not available to this process; choose among {_cpu_list(allowed)}")
-    return frozenset(chosen)
-
-
-def _cpu_list(cpus) -> str:
-    return ",".join(str(c) for c in sorted(cpus))
-
-
-def _child_setup(parent: int | None, cpus: frozenset[int] | None):
-    """In the child before exec: the CPU set (every thread and process it starts inherits it), and
-    the parent-death signal when `parent` is given."""
-    die = _die_with_parent(parent) if parent is not None else None
-
-    def setup() -> None:
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-        if die is not None:
-            die()
-
-    return setup
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """One port free now. For several, use free_ports: a port released by one pick can be the next pick."""
-    return free_ports(1, host)[0]
-
-
-def free_ports(n: int, host: str = "127.0.0.1", *, exclude: Collection[int] = ()) -> list[int]:
-    """`n` distinct ports free now, none in `exclude`, for another process to bind (e.g. the ports of a
-    `scorestack serve` a caller starts): reserved against other scorestack processes (PortReservation)
-    until this process exits. A server of this process reserves its own (LocalTriton)."""
-    reservation = PortReservation.take(n, host, exclude=exclude)
-    _KEPT.append(reservation)
-    return reservation.ports
-
-
-_KEPT: list["PortReservation"] = []
-
-
-class PortReservation:
-    """Ports picked for one server and reserved against every other scorestack process until released.
-
-    A picked port is free only until someone binds it. Two scorestack processes starting servers at
-    once (parallel compile jobs' serving checks, parallel test workers) can be handed the same port,
-    and Triton's metrics endpoint binds with SO_REUSEPORT: a second server then *shares* the first
-    one's metrics port without an error, and scrapes reach either (measured here). Each reserved
-    port holds an exclusive lock on a file named after it under scorestack's home; other scorestack
-    processes skip locked ports, and the kernel drops the locks of a process that dies.
-    """
-
-    def __init__(self, ports: list[int], locks: list[int]) -> None:
-        self.ports = ports
-        self._locks = locks
-
-    @staticmethod
-    def directory() -> Path:
-        # Machine-wide state, like the server environment (not $TMPDIR, which callers set per run).
-        path = paths.home() / "ports"
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return path
-
-    @classmethod
-    def take(cls, n: int, host: str = "127.0.0.1", *, exclude: Collection[int] = ()) -> "PortReservation":
-        """`n` distinct ports, none in `exclude` or reserved by another scorestack process.
-
-        Each socket stays bound until all are picked: picked and released one at a time, the kernel
-        hands out the same port again (seen in CI: Triton refused "HTTP and metrics at the same
-        address and port" and exited before it was ready)."""
-        held: list[socket.socket] = []
-        ports: list[int] = []
-        locks: list[int] = []
-        folder = cls.directory()
-        try:
-            while len(ports) < n:
-                s = socket.socket()
-                held.append(s)  # stays bound until every port is picked, so none is picked twice
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-                if port in exclude:
-                    continue
-                fd = os.open(folder / str(port), os.O_CREAT | os.O_RDWR, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:  # reserved elsewhere: its server has it or is about to bind it
-                    os.close(fd)
-                    continue
-                locks.append(fd)
-                ports.append(port)
-        except BaseException:
-            for fd in locks:
-                os.close(fd)
-            raise
-        finally:
-            for s in held:
-                s.close()
-        return cls(ports, locks)
-
-    def release(self) -> None:
-        for fd in self._locks:
-            os.close(fd)
-        self._locks = []
 
 
 class LocalTriton:
@@ -330,10 +129,7 @@ class LocalTriton:
         self.view: LocalView | None = None
         self.model_status: dict[str, ModelStatus] = {}
         self._log_file = None
-        self._fingerprints: dict[str, tuple] = {}
-        self._watcher: threading.Thread | None = None
-        self._stop_watching = threading.Event()
-        self._sync_lock = threading.Lock()
+        self._watcher: RepositoryWatcher | None = None
 
     # -- addresses ---------------------------------------------------------------------------
     @property
@@ -367,9 +163,16 @@ class LocalTriton:
             self.run_dir = Path(tempfile.mkdtemp(prefix="scorestack-triton-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Fingerprints before the view is built (see reload): a version installed meanwhile is loaded by the watcher.
-        seen = {p.name: self._fingerprint(p.name) for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith(".")}
+        seen = {p.name: fingerprint(p) for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith(".")}
         self.view = build_local_view(self.repository, self.run_dir / "models", strict=self.strict)
-        self._fingerprints = {name: seen.get(name, (None,)) for name in self.view.models}
+        self._watcher = RepositoryWatcher(
+            self.repository,
+            self.view.root,
+            lambda: self.admin,  # the ports are picked below, and picked again after a collision
+            seen={name: seen.get(name, (None,)) for name in self.view.models},
+            on_status=self._record_status,
+            models=self.models,
+        )
         for name, reason in self.view.skipped.items():
             log.warning("model %s not served locally: %s", name, reason)
         backends = self._assemble_backends(env)
@@ -384,9 +187,7 @@ class LocalTriton:
                 self.wait_ready(self.ready_timeout_s)
                 self._check_models()
                 if self.watch_interval_s:
-                    self._stop_watching.clear()
-                    self._watcher = threading.Thread(target=self._watch, name="scorestack-repository-watch", daemon=True)
-                    self._watcher.start()
+                    self._watcher.start(self.watch_interval_s, self.is_running)
                 return self
             except ServerError:
                 # gRPC and HTTP say "address already in use"; metrics "Socket '<addr>' already in use".
@@ -398,10 +199,8 @@ class LocalTriton:
                 log.warning("port collision, retrying with new ports")
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        self._stop_watching.set()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(10)
-        self._watcher = None
+        if self._watcher is not None:
+            self._watcher.stop()
         self._terminate(timeout_s)
         self._cleanup()
 
@@ -430,41 +229,14 @@ class LocalTriton:
             raise ServerError(f"{exc}: {self.failure_reason()}\n--- log tail ---\n{self.log_tail()}") from None
 
     # -- models ------------------------------------------------------------------------------
-    def _http(self, method: str, path: str, body: dict | None = None, timeout_s: float = 10.0) -> tuple[int, object]:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", **(self.admin_key.http_headers if self.admin_key else {})}
-        req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                raw = r.read()
-                return r.status, json.loads(raw) if raw else None
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            try:
-                code, answer = exc.code, json.loads(raw)
-            except ValueError:
-                code, answer = exc.code, {"error": raw.decode(errors="replace")}
-            if code == 403 and "restricted" in str(answer).lower():
-                raise AdminKeyError(f"Triton at {self.http_url} refused {path}: {'the admin key is wrong' if self.admin_key else 'no admin key was sent'} (header {ADMIN_KEY_HEADER!r})") from exc
-            return code, answer
+    @property
+    def admin(self) -> TritonAdmin:
+        """Admin calls to this server (over its HTTP frontend, with its admin key)."""
+        return TritonAdmin(self.http_url, self.admin_key)
 
     def repository_index(self) -> dict[str, ModelStatus]:
         """Every model Triton knows of, with its state and Triton's reason when it is not ready."""
-        code, entries = self._http("POST", "/v2/repository/index", {})
-        if code != 200 or not isinstance(entries, list):
-            raise ServerError(f"Triton at {self.http_url} answered its repository index with {code}: {str(entries)[:500]}")
-        out: dict[str, dict] = {}
-        for e in entries or []:
-            d = out.setdefault(e["name"], {"versions": [], "reasons": [], "ready": False})
-            if e.get("state") == "READY":
-                d["ready"] = True
-                d["versions"].append(str(e.get("version", "")))
-            elif e.get("reason"):
-                d["reasons"].append(_first_line(e["reason"]))
-        return {
-            name: ModelStatus(name, d["ready"], tuple(sorted(d["versions"], key=lambda v: int(v) if v.isdigit() else 0)), "; ".join(dict.fromkeys(d["reasons"])))
-            for name, d in out.items()
-        }
+        return self.admin.repository_index()
 
     def _check_models(self) -> None:
         """Record each model's readiness; raise if none of the requested models loaded (strict: if any failed)."""
@@ -496,79 +268,27 @@ class LocalTriton:
         except (OSError, AssertionError):
             return ""
         hits = [ln.strip() for ln in lines if f"model '{name}'" in ln and ("failed" in ln or ln.startswith("E"))]
-        return _first_line(hits[-1]) if hits else ""
+        return first_line(hits[-1]) if hits else ""
 
     def ready_models(self) -> list[str]:
         return sorted(n for n, st in self.model_status.items() if st.ready)
 
-    def reload(self, name: str, timeout_s: float = 120.0) -> ModelStatus:
-        """Re-render `name` from the repository and ask Triton to load it (explicit model control).
+    def _record_status(self, name: str, status: ModelStatus) -> None:
+        self.model_status[name] = status
 
-        Triton loads the new versions while the old ones keep serving, then retires versions the
-        version policy no longer lists once their requests are done. Returns the model's status;
-        a failed load leaves whatever was serving in place and reports Triton's reason.
+    def reload(self, name: str, timeout_s: float = 120.0) -> ModelStatus:
+        """Re-render `name` from the repository and ask Triton to load it (serve.reload.RepositoryWatcher.reload).
+
+        Triton loads the new versions while the old ones keep serving; a failed load leaves whatever
+        was serving in place and reports Triton's reason.
         """
-        assert self.view is not None and self.run_dir is not None
-        with self._sync_lock:
-            # What is about to be rendered, taken before rendering: a version installed while this
-            # one renders and loads (a load takes seconds) then differs at the next look and is
-            # loaded then. Taken after the load, it would mark that version as already seen.
-            seen = self._fingerprint(name)
-            try:
-                reason = render_model(self.repository / name, self.view.root)
-            except ConfigError as exc:
-                reason = str(exc)
-            if reason is not None:
-                st = ModelStatus(name, False, reason=f"not served locally: {reason}")
-            else:
-                code, body = self._http("POST", f"/v2/repository/models/{name}/load", {}, timeout_s=timeout_s)
-                current = self.repository_index().get(name)
-                if code == 200 and current is not None and current.ready:
-                    st = current
-                else:
-                    err = body.get("error") if isinstance(body, dict) else str(body)
-                    st = ModelStatus(name, bool(current and current.ready), current.versions if current else (), _first_line(err or "load failed"))
-            self._fingerprints[name] = seen
-            self.model_status[name] = st
-            return st
+        assert self._watcher is not None, "start() the server first"
+        return self._watcher.reload(name, timeout_s)
 
     def sync(self) -> dict[str, ModelStatus]:
         """Load what changed in the repository since the last look (a new version, a new or edited model)."""
-        changed = {}
-        for model_dir in sorted(p for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            name = model_dir.name
-            if self.models is not None and name not in self.models:
-                continue
-            fp = self._fingerprint(name)
-            if fp != self._fingerprints.get(name) and fp[0] is not None:
-                st = self.reload(name)
-                changed[name] = st
-                log.warning("model %s reloaded from %s: %s", name, self.repository, "ready, versions " + ",".join(st.versions) if st.ready else st.reason)
-        return changed
-
-    def _fingerprint(self, name: str) -> tuple:
-        model_dir = self.repository / name
-        try:
-            config = (model_dir / "config.pbtxt").stat().st_mtime_ns
-        except OSError:
-            return (None,)
-        versions = []
-        for p in model_dir.iterdir():
-            if p.is_dir() and p.name.isdigit():
-                try:
-                    versions.append((p.name, (p / "SHA256SUMS").stat().st_mtime_ns if (p / "SHA256SUMS").exists() else p.stat().st_mtime_ns))
-                except OSError:
-                    pass
-        return (config, tuple(sorted(versions)))
-
-    def _watch(self) -> None:
-        while not self._stop_watching.wait(self.watch_interval_s or 1.0):
-            if not self.is_running():
-                return
-            try:
-                self.sync()
-            except Exception:  # a failed look is logged and retried at the next tick
-                log.exception("repository sync failed")
+        assert self._watcher is not None, "start() the server first"
+        return self._watcher.sync()
 
     def failure_reason(self) -> str:
         """The server's own error lines (failed loads first), condensed to one paragraph."""
@@ -656,7 +376,7 @@ class LocalTriton:
         args += [f"--load-model={n}" for n in names if n in self.view.models]
         self._log_file = open(self.log_path, "ab")
         launch_env = env.launch_env()
-        launch_env[SUPERVISOR_ENV] = _supervisor_tag(os.getpid())
+        launch_env[SUPERVISOR_ENV] = supervisor_tag(os.getpid())
         # Triton and its stubs need no key in their environment; keep it out of /proc/<pid>/environ.
         launch_env.pop(ADMIN_KEY_ENV, None)
         launch_env.pop(ADMIN_KEY_FILE_ENV, None)
@@ -684,7 +404,7 @@ class LocalTriton:
                 env=launch_env,
                 cwd=self.run_dir,
                 start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it cleanly
-                preexec_fn=_child_setup(os.getpid() if main else None, self.cpus) if main or self.cpus is not None else None,
+                preexec_fn=child_setup(os.getpid() if main else None, self.cpus) if main or self.cpus is not None else None,
                 pass_fds=(handoff.read_fd,) if handoff is not None else (),
             )
         finally:
@@ -716,6 +436,3 @@ class LocalTriton:
             if not keep:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
 
-
-def _first_line(text: str) -> str:
-    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")[:600]

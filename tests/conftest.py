@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from scorestack.serve import server as _server
+from scorestack.serve.ports import free_port
 from scorestack.serve.readiness import port_open, process_exit, wait_until
-from scorestack.serve.server import free_port
 
 
 
@@ -144,17 +144,29 @@ class ServeOutput:
 
 @pytest.fixture(scope="session")
 def compiled_demo(tmp_path_factory):
-    """The demo models (real sizes), trained and compiled once per session.
+    """The demo models (real sizes), trained and compiled once per test run, shared by the workers.
 
-    Returns (models_dir, repository, {name: spec_path}, {name: CompileReport}).
+    Under pytest-xdist every worker is its own session: the first worker to ask trains and compiles into
+    the run's shared temporary folder under a file lock; the others wait for it, then find the models
+    there and every spec unchanged (train_demo_models keeps existing models, compile_model returns the
+    report of an unchanged spec without compiling again). Tests copy what they change (the folder is
+    shared). Returns (models_dir, repository, {name: spec_path}, {name: CompileReport}).
     """
+    import fcntl
+
     from scorestack.compile import compile_model
     from scorestack.demo.train import train_demo_models
 
-    root = tmp_path_factory.mktemp("demo")
-    specs = {p.stem: p for p in train_demo_models(root / "models")}
-    repository = root / "model_repository"
-    reports = {name: compile_model(specs[name], repository) for name in ("fraud_xgb", "ranking_xgb", "fraud_sklearn")}
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the run's folder above each worker's
+    root = shared / "compiled_demo"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(shared / "compiled_demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, whatever happens inside
+        # One training thread: the other worker runs on the other core (two threads here ran several times slower).
+        specs = {p.stem: p for p in train_demo_models(root / "models", threads=1)}
+        repository = root / "model_repository"
+        reports = {name: compile_model(specs[name], repository) for name in ("fraud_xgb", "ranking_xgb", "fraud_sklearn")}
     return root / "models", repository, specs, reports
 
 

@@ -724,7 +724,7 @@ def test_triton_entrypoint_restricts_the_real_tritonserver_to_the_key_file(tmp_p
     """entrypoint.sh starting the real tritonserver (the server environment's, standing in for the image's)
     with the key from a file, as compose and Kubernetes give it: the repository API refuses no key and
     the placeholder ps shows, and opens to the key; no process's command line holds the key."""
-    from scorestack.serve.server import free_ports
+    from scorestack.serve.ports import free_ports
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -532,7 +532,7 @@ def test_response_cache_hits_are_counted_and_their_time_named(deployment):
 def test_the_plain_text_table_names_every_phase_the_traffic_and_the_unattributed_rest():
     """The default output (no --json): one row per named phase with its share, the unattributed rest,
     the executed batch sizes, cache hits, queue-policy rejections and the decision; --json holds the same."""
-    from scorestack.client.diagnose import ModelContext, diagnose_model, render_diagnoses, to_json
+    from scorestack.client.diagnosis import ModelContext, diagnose_model, render_diagnoses, to_json
     from scorestack.client.server_stats import Duration, ModelStats
 
     ms = 1_000_000  # ns
@@ -574,7 +574,7 @@ def test_exported_request_phases_read_back_as_the_means_of_the_window():
 
     from prometheus_client import CollectorRegistry
 
-    from scorestack.client.diagnose import client_named_phases
+    from scorestack.client.diagnosis import client_named_phases
     from scorestack.client.metrics import RequestMetrics, Scrape, serve
     from scorestack.errors import InferenceError
 
@@ -629,7 +629,7 @@ def test_server_snapshot_sums_every_served_version():
     the served path is covered by the tests above."""
     from types import SimpleNamespace
 
-    from scorestack.client.diagnose import server_snapshot
+    from scorestack.client.breakdown import server_snapshot
 
     def version(v: str, n: int, queue_ns: int) -> dict:
         stat = lambda ns: {"count": str(n), "ns": str(ns)}

@@ -15,7 +15,7 @@ from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
 from scorestack.serve.devcerts import DevCerts, write_dev_certs
 from scorestack.serve.readiness import port_open, process_exit, wait_until
-from scorestack.serve.server import free_port
+from scorestack.serve.ports import free_port
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ ALLOWED = {
 }
 
 # The ground floor holds only the vocabulary every stage shares.
-VOCABULARY = {"__init__.py", "_lazy.py", "errors.py", "limits.py", "paths.py", "schema.py", "triton_config.py", "validation.py"}
+VOCABULARY = {"__init__.py", "_lazy.py", "errors.py", "extras.py", "limits.py", "paths.py", "schema.py", "triton_config.py", "validation.py"}
 
 _MODULE_PATH = re.compile(r"scorestack(\.[A-Za-z_][A-Za-z0-9_]*)+")
 

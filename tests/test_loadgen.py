@@ -135,7 +135,7 @@ def test_wrong_input_name_is_named(server, rows, gen):
 
 
 def test_unreachable_server_fails_fast_with_the_address(rows, gen):
-    from scorestack.serve.server import free_port
+    from scorestack.serve.ports import free_port
 
     address = f"127.0.0.1:{free_port()}"
     target = loadgen.grpc_target("nobody", address, "gb", "X", rows, deadline_s=2.0)

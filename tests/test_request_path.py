@@ -24,7 +24,7 @@ from scorestack.features import store
 from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
 from conftest import LocalTriton
-from scorestack.serve.server import free_ports
+from scorestack.serve.ports import free_ports
 
 pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
 
@@ -576,7 +576,7 @@ def test_redis_stopped_gives_degraded_score(loop, triton, private_redis, tmp_pat
 
 
 def test_diagnosis_breaks_down_real_traffic(loop, services):
-    from scorestack.client.diagnose import ADVICE, diagnosis_line, measure
+    from scorestack.client.breakdown import ADVICE, diagnosis_line, measure
 
     client, _, fraud, ranking = services
 

@@ -25,7 +25,7 @@ from restricted_triton import assert_restricted_to, cmdlines, wait_ready
 
 from scorestack import limits, schema
 from scorestack.demo import data as demo_data
-from scorestack.client.diagnose import server_snapshot
+from scorestack.client.breakdown import server_snapshot
 from scorestack.client.fraud import FraudService
 from scorestack.client.triton import ModelInfo, TensorInfo, TritonClient
 from scorestack.errors import AdminKeyError, RequestValidationError, TlsError
@@ -375,7 +375,7 @@ def test_no_command_line_log_or_report_of_scorestack_holds_the_key(fraud_model, 
 
 
 def _free(n: int) -> list[int]:
-    from scorestack.serve.server import free_ports
+    from scorestack.serve.ports import free_ports
 
     return free_ports(n)
 
@@ -421,7 +421,7 @@ def test_tritonserver_restricted_by_a_key_it_never_had_on_its_command_line(serve
     """A real tritonserver, restricted through the pipe handoff: its command line and environment hold no
     key, the key opens the repository API on HTTP and gRPC, and no key or the visible placeholder do not."""
     from scorestack.serve.security import KEY_PLACEHOLDER_ENV, build_key_shim, key_handoff
-    from scorestack.serve.server import free_ports
+    from scorestack.serve.ports import free_ports
 
     key = AdminKey(secrets.token_urlsafe(32), "test")
     (tmp_path / "models").mkdir()

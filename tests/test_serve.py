@@ -288,7 +288,7 @@ def test_bad_cpus_are_named(onnx_repo, cpus, match):
 
 
 def test_cpu_lists_parse():
-    from scorestack.serve.server import parse_cpus
+    from scorestack.serve.supervise import parse_cpus
     import os
 
     first = min(os.sched_getaffinity(0))
@@ -302,7 +302,7 @@ def test_ready_means_every_endpoint_answers_and_a_taken_metrics_port_is_retried(
     is every endpoint answering, so a start that returned has a metrics port that answers. The port
     is really held by another socket; the patch only makes the port picker hand out that port, as a race
     with another process would."""
-    from scorestack.serve import server as server_module
+    from scorestack.serve.ports import PortReservation, free_ports
     from scorestack.serve.readiness import http_ok, port_open
 
     with socket.socket() as held:
@@ -310,13 +310,13 @@ def test_ready_means_every_endpoint_answers_and_a_taken_metrics_port_is_retried(
         held.listen()
         taken = held.getsockname()[1]
         # Every port fixed: no new ports to try, and the error names the collision.
-        g, h = server_module.free_ports(2, exclude=[taken])
+        g, h = free_ports(2, exclude=[taken])
         fixed = LocalTriton(onnx_repo, server_env=server_env, grpc_port=g, http_port=h, metrics_port=taken)
         with pytest.raises(ServerError, match=f"Socket '127.0.0.1:{taken}' already in use") as err:
             fixed.start()
         assert "exited with code" in str(err.value) and not fixed.is_running()
         # Picked ports: the first pick hands out the held one for metrics; start() retries on new ports.
-        real = server_module.PortReservation.take
+        real = PortReservation.take
         picks: list[list[int]] = []
 
         def take(n, host="127.0.0.1", **kw):
@@ -326,7 +326,7 @@ def test_ready_means_every_endpoint_answers_and_a_taken_metrics_port_is_retried(
             picks.append(list(got.ports))
             return got
 
-        monkeypatch.setattr(server_module.PortReservation, "take", take)
+        monkeypatch.setattr(PortReservation, "take", take)
         with LocalTriton(onnx_repo, server_env=server_env) as s:
             assert len(picks) == 2 and picks[0][-1] == taken and s.metrics_port != taken, picks
             assert port_open(s.host, s.grpc_port) is None
@@ -343,11 +343,11 @@ def test_ports_reserved_by_one_process_are_refused_to_another_until_released():
     import json
     import sys
 
-    from scorestack.serve.server import PortReservation
+    from scorestack.serve.ports import PortReservation
 
     probe = (
         "import fcntl, json, os, sys\n"
-        "from scorestack.serve.server import PortReservation\n"
+        "from scorestack.serve.ports import PortReservation\n"
         "got = []\n"
         "for port in json.loads(sys.argv[1]):\n"
         "    fd = os.open(PortReservation.directory() / str(port), os.O_RDWR)\n"

@@ -26,10 +26,11 @@ import yaml
 from conftest import LocalTriton, ServeOutput
 from scorestack.compile import compile_model
 from scorestack.errors import ServerError, VerificationError
-from scorestack.serve import server as server_module
+from scorestack.serve import reload as reload_module
 from scorestack.serve.readiness import wait_until
 from scorestack.serve.runtime import scorestack_runtime as rt
-from scorestack.serve.server import SUPERVISOR_ENV, _supervisor_tag, clean_leftovers, free_ports
+from scorestack.serve.ports import free_ports
+from scorestack.serve.supervise import SUPERVISOR_ENV, clean_leftovers, supervisor_tag
 from scorestack.triton_config import load_config
 
 pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
@@ -135,7 +136,7 @@ def test_a_version_installed_while_another_loads_is_loaded_next(compiled_demo, s
     model = _copy_model(demo_repo, "fraud_xgb", repo)
     first = _version_dir(model)
     second, third = (model / str(int(first.name) + k) for k in (1, 2))
-    render = server_module.render_model
+    render = reload_module.render_model
 
     def render_then_a_compile_lands(model_dir: Path, out_root: Path):
         reason = render(model_dir, out_root)
@@ -145,10 +146,10 @@ def test_a_version_installed_while_another_loads_is_loaded_next(compiled_demo, s
 
     with LocalTriton(repo, server_env=server_environment) as server:
         shutil.copytree(first, second)
-        monkeypatch.setattr(server_module, "render_model", render_then_a_compile_lands)
+        monkeypatch.setattr(reload_module, "render_model", render_then_a_compile_lands)
         st = server.sync()["fraud_xgb"]
         assert st.ready and third.name not in st.versions, st  # the load raced: the newest is not served yet
-        monkeypatch.setattr(server_module, "render_model", render)
+        monkeypatch.setattr(reload_module, "render_model", render)
         changed = server.sync()
         assert "fraud_xgb" in changed, "the version installed during the load was marked as seen and never loaded"
         assert changed["fraud_xgb"].ready and third.name in changed["fraud_xgb"].versions, changed
@@ -318,10 +319,10 @@ def test_sigkill_of_serve_leaves_no_triton_behind(compiled_demo, server_environm
 
 def test_orphans_of_a_dead_supervisor_are_cleaned_at_start(tmp_path):
     gone = subprocess.Popen(["true"])
-    tag = _supervisor_tag(gone.pid)
+    tag = supervisor_tag(gone.pid)
     gone.wait()
     orphan = subprocess.Popen(["sleep", "300"], env=dict(os.environ, **{SUPERVISOR_ENV: tag}))
-    mine = subprocess.Popen(["sleep", "300"], env=dict(os.environ, **{SUPERVISOR_ENV: _supervisor_tag(os.getpid())}))
+    mine = subprocess.Popen(["sleep", "300"], env=dict(os.environ, **{SUPERVISOR_ENV: supervisor_tag(os.getpid())}))
     region = Path(f"/dev/shm/scorestack_{gone.pid}_deadbeef_region")
     region.write_bytes(b"x")
     try:

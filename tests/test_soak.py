@@ -27,7 +27,7 @@ from scorestack.features import store
 from scorestack.demo import features as demo_features
 from conftest import LocalTriton
 from scorestack.triton_config import load_config
-from scorestack.serve.server import free_ports
+from scorestack.serve.ports import free_ports
 
 N_USERS = 1000
 DURATION_S, WINDOW_S = 60.0, 10.0

@@ -4,7 +4,8 @@
     .venv/bin/python deploy/scorestack/lock.py --check  # exit 1 if either differs from the environments
 
 - constraints.txt: the project environment (.venv: Python 3.11.7 on Debian 12 x86_64, as the image's
-  base), the closure of the project's own requirements (no extras: dev and gpu are not in the image).
+  base), the closure of what the image installs: the project with the extras in IMAGE (bench, dev and
+  gpu are not in the image).
 - server-env-constraints.txt: the server environment (`scorestack server-env`), the closure of
   serve/environment.py's SERVER_REQUIREMENTS (nvidia-pytriton + serve/runtime/requirements.txt).
 
@@ -62,8 +63,13 @@ def closure(roots: list[str]) -> dict[str, str]:
     return seen
 
 
+# What the Dockerfile installs: the base (serving, scoring, features) and the compiler with every
+# CPU candidate, image models included (its torch is the CPU build it installs first).
+IMAGE = "scorestack[compile,vision,hummingbird]"
+
+
 def project_pins() -> dict[str, str]:
-    return closure(["scorestack"])
+    return closure([IMAGE])
 
 
 def server_pins(python: Path | None = None) -> dict[str, str]:
