@@ -25,6 +25,7 @@ from scorestack.demo import features as demo_features
 from scorestack.features.fetch import FeatureFetcher
 from conftest import LocalTriton
 from scorestack.serve.ports import free_ports
+from scorestack.serve.readiness import wait_until
 
 pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
 
@@ -522,6 +523,19 @@ def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, 
         loop.run_until_complete(client.close())
 
 
+def _not_all_stopped(pid: int) -> str | None:
+    """None once every thread of `pid` is in the stopped state (T), else which are not."""
+    running = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # the thread ended
+            continue
+        if state not in ("T", "t"):
+            running.append(f"{task.name}: {state}")
+    return f"threads not stopped yet: {', '.join(running)}" if running else None
+
+
 def test_triton_paused_answers_within_the_deadline(loop, compiled_demo, server_environment):
     """A server that accepts the connection and never answers (stopped with SIGSTOP, a real fault):
     the call ends at its deadline through gRPC's own deadline, and works again once it resumes."""
@@ -536,6 +550,9 @@ def test_triton_paused_answers_within_the_deadline(loop, compiled_demo, server_e
     try:
         before = loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: x})).outputs
         os.kill(server.process.pid, signal.SIGSTOP)
+        # A signal is delivered asynchronously: on a busy machine a Triton thread already running may answer one
+        # more call before it stops (seen once in a parallel run). Wait until every thread is stopped.
+        wait_until(lambda: _not_all_stopped(server.process.pid), timeout_s=5.0, what="tritonserver stopped by SIGSTOP")
         try:
             for deadline_s in (0.2, 0.4):
                 start = time.monotonic()
