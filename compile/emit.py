@@ -113,7 +113,7 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
         rules.append(profile_rule)
     if slack <= 0:
         rules.append(f"WARNING: the model alone needs {t_max:.0f} µs at batch {max_batch}, over the budget of {budget:.0f} µs with server overhead.")
-    return TritonSettings(
+    settings = TritonSettings(
         max_batch_size=max_batch,
         max_queue_delay_us=delay,
         default_timeout_us=timeout,
@@ -124,6 +124,26 @@ def derive_settings(spec: ModelSpec, latency_us: dict[int, float], threads: int,
         rules=rules,
         queue_policy=spec.serving.queue_policy,
     )
+    if spec.serving.batching == "none":
+        return without_batching(settings, running, "serving.batching: none")
+    return settings
+
+
+def without_batching(settings: TritonSettings, running: int, why: str) -> TritonSettings:
+    """The same settings with no dynamic batcher: each request is its own execution, on the instances that run
+    at once (no extra instances: they kept the queue policy's batcher awake, and there is no batcher)."""
+    dropped = ("instances that run at once", "max_queue_delay_microseconds", "default_timeout_microseconds", "max_queue_size", "queue policy", "no queue policy", "batch profile")
+    rules = [r for r in settings.rules if not r.startswith(dropped)]
+    rules.append(
+        f"instance_group count = the instances that run at once = {running} (threads per instance {settings.threads}: the lowest "
+        "weighted latency among the spec's thread counts whose capacity is within 90% of the best, compile/measure.choose_threads)."
+    )
+    rules.append(
+        f"no dynamic batching ({why}): each request is its own execution on one of {running} instances, without the batcher's "
+        "hand-off; Triton 2.51's queue policy belongs to the dynamic batcher, so none is set: overload is bounded in the client "
+        "(TritonClient(max_in_flight=...), docs/client.md#admission-control)."
+    )
+    return settings.model_copy(update={"dynamic_batching": False, "queue_policy": False, "instance_count": running, "rules": rules})
 
 
 def input_contract(spec: ModelSpec) -> tuple[str, int, list[int]]:
@@ -183,9 +203,10 @@ def build_config(spec: ModelSpec, artifact: Artifact, settings: TritonSettings, 
     out = cfg.output.add(name=spec.output_name, data_type=mc.TYPE_FP32)
     out.dims.append(n_outputs)
 
-    db = cfg.dynamic_batching
-    db.max_queue_delay_microseconds = settings.max_queue_delay_us
-    if settings.queue_policy:
+    if settings.dynamic_batching:
+        db = cfg.dynamic_batching
+        db.max_queue_delay_microseconds = settings.max_queue_delay_us
+    if settings.dynamic_batching and settings.queue_policy:
         policy = db.default_queue_policy
         policy.timeout_action = mc.ModelQueuePolicy.REJECT
         policy.default_timeout_microseconds = settings.default_timeout_us

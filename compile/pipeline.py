@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from scorestack.errors import PlatformError, VerificationError
+from scorestack.errors import PlatformError, ScorestackError, VerificationError
 from scorestack.paths import default_repository
 from scorestack.serve import ensure_server_environment, native
 from scorestack.serve.runtime import scorestack_runtime as rt
 from scorestack.serve.worker import RuntimeWorker, project_python_worker
 
-from . import dispatch, emit, passes, vision_passes
+from . import dispatch, emit, passes, tune, vision_passes
 from .candidates import Candidate, build_candidates, n_outputs
 from .loaders import load_holdout, load_source
 from .model import Holdout, SourceModel
@@ -106,6 +106,26 @@ def _serve_check(spec: ModelSpec, model: SourceModel, holdout: Holdout, chosen: 
     return check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance, request_sizes=edge_sizes)
 
 
+def _measured_batching(spec: ModelSpec, art, settings, n_out: int, native_plan, folder: Path, version: int, holdout: Holdout, serve_check: bool):
+    """serving.batching auto: the derived dynamic batching and no batching measured side by side in the local
+    Triton (compile/tune.py); the settings and config to emit."""
+    if not serve_check or settings.instance_kind != "KIND_CPU":
+        why = "--no-serve-check: no local Triton to measure in" if not serve_check else "GPU instances: one per device, the batcher forms the GPU's batches"
+        settings = settings.model_copy(update={"rules": [*settings.rules, f"serving.batching auto: not measured ({why}); the dynamic batching stays."]})
+        return settings, emit.write_config(folder, emit.build_config(spec, art, settings, n_out, native_plan=native_plan))
+    running = settings.instance_count // emit.POLICY_INSTANCE_FACTOR if settings.queue_policy else settings.instance_count
+    without = emit.without_batching(settings, max(1, running), "serving.batching auto, measured below")
+    configs = {label: emit.build_config(spec, art, s, n_out, native_plan=native_plan) for label, s in (("dynamic batching", settings), ("no batching", without))}
+    try:
+        measured = tune.measure_batching(folder / str(version), spec.name, configs, holdout.X, spec.serving.concurrency)
+    except ScorestackError as exc:  # the serving check that follows says whether the model serves at all
+        reason = str(exc).split("\n")[0][:300]
+        settings = settings.model_copy(update={"rules": [*settings.rules, f"serving.batching auto: the measurement failed ({reason}); the dynamic batching stays."]})
+    else:
+        settings = tune.settle(settings, without, measured)
+    return settings, emit.write_config(folder, emit.build_config(spec, art, settings, n_out, native_plan=native_plan))
+
+
 def compile_model(
     spec_path: str | Path,
     repository: str | Path | None = None,
@@ -186,6 +206,8 @@ def compile_model(
             digests = rt.write_manifest(str(folder / str(version)))
             selected.backend = native.BACKEND
         cfg = emit.write_config(folder, emit.build_config(spec, art, settings, n_outputs(spec, model), native_plan=native_plan))
+        if spec.serving.batching == "auto":
+            settings, cfg = _measured_batching(spec, art, settings, n_outputs(spec, model), native_plan, folder, version, holdout, serve_check)
         report = build_report(
             spec, spec_path, source, model, holdout,
             content_hash=digest, compiler_version=COMPILER_VERSION, sizes=sizes, weights=weights, passes=pass_reports,

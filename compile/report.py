@@ -74,6 +74,8 @@ class TritonSettings(_Model):
     instance_kind: str
     threads: int
     rules: list[str]
+    dynamic_batching: bool = True  # false: no dynamic_batching block (serving.batching none, or chosen by "auto")
+    measured: list[dict[str, Any]] = Field(default_factory=list)  # serving.batching auto: each alternative as measured in the local Triton
 
 
 class SelectedReport(_Model):
@@ -375,9 +377,10 @@ def render_markdown(r: CompileReport) -> str:
         "",
         "## Triton settings",
         "",
-        f"max_batch_size {t.max_batch_size}, max_queue_delay_microseconds {t.max_queue_delay_us}, "
-        + (f"default_timeout_microseconds {t.default_timeout_us} (REJECT), max_queue_size {t.max_queue_size}, " if t.queue_policy
-           else f"no queue policy (derived timeout {t.default_timeout_us} µs, queue size {t.max_queue_size}: not set), ")
+        (f"max_batch_size {t.max_batch_size}, max_queue_delay_microseconds {t.max_queue_delay_us}, "
+         + (f"default_timeout_microseconds {t.default_timeout_us} (REJECT), max_queue_size {t.max_queue_size}, " if t.queue_policy
+            else f"no queue policy (derived timeout {t.default_timeout_us} µs, queue size {t.max_queue_size}: not set), ")
+         if t.dynamic_batching else f"max_batch_size {t.max_batch_size}, no dynamic batching (no queue policy), ")
         + f"instance_group {t.instance_count} × {t.instance_kind}, {t.threads} thread(s) per instance.",
         "",
         "How they were derived:",
@@ -385,4 +388,14 @@ def render_markdown(r: CompileReport) -> str:
         *[f"- {rule}" for rule in t.rules],
         "",
     ]
+    if t.measured:
+        lines += [
+            "Measured in the local Triton (serving.batching: auto; medians of interleaved rounds, raw gRPC requests of one row):",
+            "",
+            "| alternative | instances | c1 p50 ms | c1 p99 ms | callers | req/s | p99 ms | errors | chosen |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *[f"| {m['name']} | {m['instances']} | {m['c1_p50_ms']:.3f} | {m['c1_p99_ms']:.3f} | {m['concurrency']} | {m['rate']:,.0f} | "
+              f"{m['p99_ms']:.2f} | {m['errors']} | {'yes' if m['chosen'] else ''} |" for m in t.measured],
+            "",
+        ]
     return "\n".join(lines)

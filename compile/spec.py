@@ -116,6 +116,16 @@ class ServingSpec(_Strict):
     # are then rejected; without it, overload queues until the callers' deadlines, and a burst of
     # cancelled calls crashed tritonserver's gRPC frontend (fixed in Triton 24.12, not in 2.51).
     queue_policy: bool = True
+    # Triton's scheduling. "dynamic": the derived dynamic batching (with the queue policy above). "none": no
+    # batcher, each request is its own execution on the instances that run at once (the batcher's hand-off
+    # costs a lone request tens of µs; without it there is no queue policy either: Triton 2.51's belongs to
+    # the batcher, so overload is bounded in the client, TritonClient(max_in_flight=...)). "auto": both are
+    # measured side by side in the local Triton during the serving check, at one caller and at
+    # `concurrency` callers, and no batching is emitted only when it is faster at one caller and no slower
+    # at `concurrency` (the compile report shows both measurements).
+    batching: Literal["dynamic", "none", "auto"] = "dynamic"
+    # The concurrent callers the model is expected to see at peak (what "auto" measures besides one).
+    concurrency: Annotated[int, Field(gt=0, le=1024)] = 64
 
     @field_validator("batch_weights")
     @classmethod
