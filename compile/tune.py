@@ -100,10 +100,11 @@ async def _rounds(url: str, models: dict[str, tuple[str, mc.ModelConfig]], rows:
 def _request(model: str, cfg: mc.ModelConfig, row: np.ndarray) -> bytes:
     from tritonclient.grpc import service_pb2 as pb
 
+    from tritonclient.utils import triton_to_np_dtype
+
     inp = cfg.input[0]
     datatype = mc.DataType.Name(inp.data_type).removeprefix("TYPE_")
-    dtype = {"FP32": np.float32, "UINT8": np.uint8}.get(datatype, np.float32)
-    x = np.ascontiguousarray(row, dtype=dtype)[None, ...]
+    x = np.ascontiguousarray(row, dtype=triton_to_np_dtype(datatype))[None, ...]
     req = pb.ModelInferRequest(model_name=model)
     req.inputs.add(name=inp.name, datatype=datatype, shape=list(x.shape))
     req.raw_input_contents.append(x.tobytes())

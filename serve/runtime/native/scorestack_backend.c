@@ -517,6 +517,18 @@ static int plan_number(Cursor* c, PlanValue* v) {
 
 static int plan_value(Cursor* c, PlanValue* v, int depth);
 
+/* `"key"` then `:`, with the white space around: the key into `key` (at most `cap` bytes, its length in *n). */
+static int plan_key(Cursor* c, char* key, size_t cap, size_t* n) {
+  if (c->p >= c->end || *c->p != '"') return 0;
+  ++c->p;
+  if (!json_string(&c->p, c->end, key, cap, n)) return 0;
+  ws(c);
+  if (c->p >= c->end || *c->p != ':') return 0;
+  ++c->p;
+  ws(c);
+  return 1;
+}
+
 /* An object or array inside a value: only its syntax matters (a band's value must not be one). */
 static int plan_container(Cursor* c, int depth) {
   char close = *c->p == '{' ? '}' : ']';
@@ -530,13 +542,7 @@ static int plan_container(Cursor* c, int depth) {
     if (object) {
       char key[8];
       size_t n;
-      if (c->p >= c->end || *c->p != '"') return 0;
-      ++c->p;
-      if (!json_string(&c->p, c->end, key, sizeof key, &n)) return 0;
-      ws(c);
-      if (c->p >= c->end || *c->p != ':') return 0;
-      ++c->p;
-      ws(c);
+      if (!plan_key(c, key, sizeof key, &n)) return 0;
     }
     if (!plan_value(c, &scratch, depth + 1)) return 0;
     ws(c);
@@ -581,13 +587,7 @@ static int plan_band(Cursor* c, PlanRaw* b) {
   for (;;) {
     char key[64];
     size_t n;
-    if (c->p >= c->end || *c->p != '"') return 0;
-    ++c->p;
-    if (!json_string(&c->p, c->end, key, sizeof key, &n)) return 0;
-    ws(c);
-    if (c->p >= c->end || *c->p != ':') return 0;
-    ++c->p;
-    ws(c);
+    if (!plan_key(c, key, sizeof key, &n)) return 0;
     int k = -1;
     for (int i = 0; i < 5 && n < sizeof key; ++i)
       if (n == strlen(PLAN_KEYS[i]) && memcmp(key, PLAN_KEYS[i], n) == 0) k = i;
