@@ -8,7 +8,7 @@ managed server environment, the command line). The rest is in extras, declared i
 | `compile` | `scorestack compile`, training the demo's models | onnx, onnxruntime, skl2onnx, onnxmltools, scikit-learn, XGBoost, TL2cgen, joblib |
 | `vision` | image models: compiling them, the demo's CNN | compile's, and torch |
 | `hummingbird` | the compiler's hummingbird candidate (skipped without it) | compile's, hummingbird-ml and torch |
-| `bench` | `benchmarks/` | compile's, matplotlib, psutil, FastAPI, uvicorn |
+| `bench` | `benchmarks/` | compile's, psutil, FastAPI, uvicorn |
 
 A command that needs an extra checks for it before it starts (`require`): a missing one is a
 `MissingExtra` naming the extra and the `pip install` line, never an ImportError from deep inside.
@@ -27,7 +27,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "compile": _COMPILE,
     "vision": (*_COMPILE, "torch", "onnxscript"),  # pyproject: vision = scorestack[compile] + torch
     "hummingbird": (*_COMPILE, "hummingbird", "torch", "onnxscript"),
-    "bench": (*_COMPILE, "matplotlib", "psutil", "fastapi", "uvicorn"),
+    "bench": (*_COMPILE, "psutil", "fastapi", "uvicorn"),
 }
 
 

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The benchmark suite, in one command: scorestack side by side with MLServer, FastAPI (+XGBoost,
-# +onnxruntime) and Triton's response-cache floor (same fraud model, same machine, interleaved rounds);
-# the request path end to end (fraud with Redis features at concurrency 1/16/64 and open loop at
-# 50%/80% of its maximum; ranking with 100-2000 candidates); overload through the client's admission
-# control; the whole fraud and ranking request against the hand-written Feast + onnxruntime service
-# (e2e). Writes benchmarks/results/{peers,request_path,admission,e2e}.{json,md} and regenerates
-# benchmarks/REPORT.md (+ results/plots/), whose tables judge the goals. Every script sends its load
-# through benchmarks/harness.py. The soak (10 minutes at 70% of the sustainable maximum) runs on its
-# own: --only soak (with --quick: 60 seconds).
+# +onnxruntime), Triton's response-cache floor and its own HTTP endpoint (same fraud model, same
+# machine, the same C load generator h2load for every target, interleaved rounds); the request path
+# end to end (fraud with Redis features at concurrency 1/16/64 and open loop at 50%/80% of its maximum;
+# ranking with 100-2000 candidates); overload through the client's admission control; the whole fraud
+# and ranking request against the hand-written Feast + onnxruntime service (e2e). Writes
+# benchmarks/results/{peers,request_path,admission,e2e}.{json,md} and regenerates benchmarks/REPORT.md,
+# whose tables judge the goals. The soak (10 minutes at 70% of the sustainable maximum) runs on its own:
+# --only soak (with --quick: 60 seconds).
 #
-#   scripts/bench.sh                 # everything (~15 minutes on 2 cores: peers 9, request path 3, admission 2)
-#   scripts/bench.sh --quick         # everything, short (3.5 minutes; a smoke run, not for the results)
+#   scripts/bench.sh                 # everything (~15 minutes on 2 cores)
+#   scripts/bench.sh --quick         # everything, short (a smoke run, not for the results)
 #   scripts/bench.sh --only peers    # one part: peers, request_path, admission, e2e or soak
-#   scripts/bench.sh --only peers --targets scorestack,fastapi_onnxruntime --rounds 2   # other options go to suite.py
+#   scripts/bench.sh --only peers --targets scorestack,fastapi_onnxruntime --rounds 3   # other options go to suite.py
 #
 # The first run also trains/compiles the demo models (~1 minute) and builds MLServer's own virtual
 # environment under ~/.cache/scorestack/peers/ (a few minutes, from PyPI).

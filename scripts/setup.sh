@@ -8,9 +8,13 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "scorestack needs Python >= 3.11 (found $("$PY" --version 2>&1)); set PYTHON=/path/to/python3.11" >&2
   exit 1
 fi
-# Debian's docker-compose checks the compose file (tests/test_deploy.py); it needs no Docker engine.
-if ! command -v docker-compose >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null
+# From Debian: docker-compose checks the compose file (tests/test_deploy.py; no Docker engine needed);
+# nghttp2-client's h2load is the benchmarks' load generator (benchmarks/loadgen.py, tests/test_loadgen.py).
+debs=()
+command -v docker-compose >/dev/null 2>&1 || debs+=(docker-compose)
+command -v h2load >/dev/null 2>&1 || debs+=(nghttp2-client)
+if [ ${#debs[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq "${debs[@]}" >/dev/null
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.scorestack-installed

@@ -142,7 +142,7 @@ def test_the_base_install_pulls_no_compiler_vision_or_plotting_stack():
     assert {"torch", "scikit-learn"} <= closure(("vision",))
     assert {"hummingbird-ml", "torch"} <= closure(("hummingbird",))
     # The test suite's extra brings every stack the tests, the demo and the benchmarks use.
-    assert HEAVY_DISTRIBUTIONS - {"xgboost"} <= closure(("dev",)) and {"psutil", "fastapi", "uvicorn"} <= closure(("dev",))
+    assert HEAVY_DISTRIBUTIONS - {"xgboost", "matplotlib"} <= closure(("dev",)) and {"psutil", "fastapi", "uvicorn"} <= closure(("dev",))
 
 
 def test_every_pinned_torch_requirement_keeps_its_pin():
@@ -339,11 +339,11 @@ def test_an_extra_module_missing_deep_inside_a_command_is_named():
 def test_require_names_only_the_missing_extras(monkeypatch):
     import scorestack.extras as extras
 
-    monkeypatch.setattr(extras, "installed", lambda module: module not in ("torch", "matplotlib"))
+    monkeypatch.setattr(extras, "installed", lambda module: module not in ("torch", "psutil"))
     require("x", "compile")  # complete: no error
     with pytest.raises(MissingExtra) as caught:
         require("scorestack demo", "compile", "vision", "bench")
-    assert str(caught.value) == "scorestack demo needs the vision and bench extras: pip install 'scorestack[vision,bench]' (not installed: torch, matplotlib)"
+    assert str(caught.value) == "scorestack demo needs the vision and bench extras: pip install 'scorestack[vision,bench]' (not installed: torch, psutil)"
     assert isinstance(caught.value, ImportError) and caught.value.extras == ["vision", "bench"]
     assert extra_of("torch.nn") == "vision" and extra_of("sklearn.ensemble") == "compile" and extra_of("hummingbird.ml") == "hummingbird" and extra_of("numpy") is None
 

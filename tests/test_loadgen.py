@@ -1,9 +1,10 @@
-"""The benchmark load generator against a real local Triton: counts match the server's, errors are named."""
+"""The benchmark load generator (h2load, one C client for every target) against a real local Triton:
+the requests it counts are the requests Triton served, the suite's value check reads the answer
+h2load's requests get, bad targets are named."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import urllib.request
@@ -18,6 +19,7 @@ from conftest import LocalTriton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import loadgen
+import suite
 
 N_FEATURES = 30
 CONFIG = """
@@ -51,13 +53,6 @@ def rows() -> np.ndarray:
     return np.random.default_rng(1).normal(size=(8, N_FEATURES)).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def gen():
-    g = loadgen.LoadGenerator(workers=1)
-    yield g
-    g.close()
-
-
 def _served(server: LocalTriton) -> int:
     """Requests Triton answered successfully for model gb, by its own statistics."""
     with urllib.request.urlopen(f"http://{server.http_url}/v2/models/gb/stats", timeout=5) as r:
@@ -77,74 +72,67 @@ def _served_settles_at(server: LocalTriton, before: int, expected: int) -> int:
     return now
 
 
-def _check_counts_and_order(r: loadgen.Result) -> None:
-    assert r.errors == {} and r.dropped == 0
-    assert r.ok == r.sent > 0
-    assert r.p50_ms <= r.p90_ms <= r.p99_ms <= r.p999_ms <= r.max_ms
-    assert r.throughput == pytest.approx(r.ok / r.duration_s)
-    assert 0 < r.client_cpu_cores < os.cpu_count() + 0.5
-    assert r.server_cpu_us_per_request is not None and r.server_cpu_us_per_request > 0
+def _onnx_probability(server_root: Path, row: np.ndarray) -> float:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(server_root / "gb" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    return float(sess.run(None, {"X": row.reshape(1, -1)})[-1][0, -1])
 
 
-def test_closed_loop_counts_match_the_server(server, rows, gen):
-    target = loadgen.grpc_target("gb", server.grpc_url, "gb", "X", rows)
+def _triton_http_body(row: np.ndarray) -> bytes:
+    return json.dumps({"inputs": [{"name": "X", "shape": [1, N_FEATURES], "datatype": "FP32", "data": row.tolist()}]}).encode()
+
+
+def _check(r: dict, requests: int) -> None:
+    assert r["requests"] == r["http_ok"] == requests
+    assert r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["p999_ms"] <= r["max_ms"]
+    assert r["throughput"] == pytest.approx(requests / r["seconds"])
+    assert r["server_cpu_us_per_request"] > 0 and 0 < r["client_cpu_cores"] < 3
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_every_request_h2load_counts_is_one_triton_served_with_the_models_answer(server, rows, protocol):
+    if protocol == "grpc":
+        target = loadgen.grpc_target("gb", server.grpc_url, "gb", "X", rows[0])
+    else:
+        target = loadgen.http_target("gb-http", server.http_url, "/v2/models/gb/infer", _triton_http_body(rows[0]))
+    # The value check the suite makes before loading a target reads the answer to h2load's exact bytes.
+    assert suite.answer(target) == pytest.approx(_onnx_probability(server.repository, rows[0]), abs=1e-6)
+    assert loadgen.shape(target, 64) == ((8, 8) if protocol == "grpc" else (64, 1))
     before = _served(server)
-    r = gen.closed(target, concurrency=4, duration_s=2.0, warmup_s=0.3, server_pids=lambda: [server.process.pid])
-    _check_counts_and_order(r)
-    assert r.mode == "closed" and r.concurrency == 4
-    # Triton served exactly what was sent: the warm-up and measured requests plus one preflight per worker.
-    assert _served_settles_at(server, before, r.sent_total + gen.workers) == r.sent_total + gen.workers
-    assert r.sent_total > r.sent
+    r = loadgen.run(target, *loadgen.shape(target, 4), 400, pids=lambda: [server.process.pid])
+    _check(r, 400)
+    assert _served_settles_at(server, before, 400) == 400
 
 
-def test_open_loop_keeps_a_low_rate_and_is_pinned_when_asked(server, rows):
-    cpu = sorted(os.sched_getaffinity(0))[-1]
-    target = loadgen.grpc_target("gb", server.grpc_url, "gb", "X", rows)
+def test_closed_and_open_loops_send_what_they_say(server, rows):
+    target = loadgen.grpc_target("gb", server.grpc_url, "gb", "X", rows[1])
     before = _served(server)
-    with loadgen.LoadGenerator(workers=1, cpus=[cpu]) as pinned:
-        r = pinned.open(target, rate=150.0, duration_s=2.0, warmup_s=0.3, seed=7)
-    assert r.errors == {} and r.dropped == 0
-    assert r.ok == r.sent == r.scheduled > 0
-    assert r.p50_ms <= r.p90_ms <= r.p99_ms <= r.p999_ms <= r.max_ms
-    # Poisson arrivals from a seeded generator: the count in the window is fixed by the seed, near rate x duration.
-    assert r.achieved_rate == pytest.approx(150.0, rel=0.15)
-    assert _served_settles_at(server, before, r.sent_total + 1) == r.sent_total + 1
-    assert r.workers[0]["affinity"] == [cpu] and r.workers[0]["last_cpu"] == cpu
+    closed = loadgen.closed(target, 2, 0.5, pids=lambda: [server.process.pid])
+    assert closed["concurrency"] == 2 and (closed["connections"], closed["streams"]) == (2, 1)
+    _check(closed, closed["requests"])
+    # The open loop sends rps x connections x duration requests, spaced by h2load's --rps.
+    opened = loadgen.open_loop(target, 160.0, 1.0, pids=lambda: [server.process.pid])
+    assert opened["rate"] == 160 and opened["requests"] == 160
+    _check(opened, 160)
+    warmup = 200  # closed()'s first run, max(50 x concurrency, 200), warms the server and sizes the measured one
+    assert _served_settles_at(server, before, warmup + closed["requests"] + 160) == warmup + closed["requests"] + 160
 
 
-def test_http_json_against_triton_http(server, rows, gen):
-    bodies = [{"inputs": [{"name": "X", "shape": [1, N_FEATURES], "datatype": "FP32", "data": row.tolist()}]} for row in rows]
-    target = loadgen.http_target("gb-http", server.http_url, "/v2/models/gb/infer", bodies)
-    before = _served(server)
-    r = gen.closed(target, concurrency=3, duration_s=1.0, warmup_s=0.2, server_pids=lambda: [server.process.pid])
-    _check_counts_and_order(r)
-    assert _served_settles_at(server, before, r.sent_total + gen.workers) == r.sent_total + gen.workers
+def test_an_error_answer_is_not_counted_as_served(server, rows):
+    target = loadgen.http_target("typo", server.http_url, "/v2/models/gb_typo/infer", _triton_http_body(rows[0]))
+    r = loadgen.run(target, 1, 1, 20)
+    assert r["http_ok"] == 0 and r["throughput"] == 0 and r["http_statuses"] == {"404": 20}
+    # Over gRPC an error is HTTP 200 with a grpc-status trailer: the suite's value check names it before any load.
+    with pytest.raises(Exception, match="gb_typo"):
+        suite.answer(loadgen.grpc_target("typo", server.grpc_url, "gb_typo", "X", rows[0]))
 
 
-def test_wrong_model_name_is_named(server, rows, gen):
-    target = loadgen.grpc_target("typo", server.grpc_url, "gb_typo", "X", rows)
-    with pytest.raises(loadgen.LoadGenError, match="gb_typo") as err:
-        gen.closed(target, concurrency=2, duration_s=1.0)
-    assert "the first request failed" in str(err.value)
-
-
-def test_wrong_input_name_is_named(server, rows, gen):
-    target = loadgen.grpc_target("bad-input", server.grpc_url, "gb", "features_typo", rows)
-    with pytest.raises(loadgen.LoadGenError, match="features_typo"):
-        gen.open(target, rate=50.0, duration_s=1.0)
-
-
-def test_unreachable_server_fails_fast_with_the_address(rows, gen):
+def test_unreachable_server_and_bad_arguments_are_named(rows):
     from scorestack.serve.ports import free_port
 
     address = f"127.0.0.1:{free_port()}"
-    target = loadgen.grpc_target("nobody", address, "gb", "X", rows, deadline_s=2.0)
-    with pytest.raises(loadgen.LoadGenError, match=address.replace(".", r"\.")):
-        gen.closed(target, concurrency=1, duration_s=1.0)
-
-
-def test_bad_arguments_are_refused(rows):
-    with pytest.raises(ValueError, match="rows must be a non-empty 2-D"):
-        loadgen.grpc_target("x", "127.0.0.1:1", "gb", "X", rows[0])
-    with pytest.raises(ValueError, match="workers must be >= 1"):
-        loadgen.LoadGenerator(workers=0)
+    with pytest.raises(loadgen.LoadGenError, match="target nobody"):
+        loadgen.run(loadgen.grpc_target("nobody", address, "gb", "X", rows[0]), 1, 1, 10, timeout_s=30)
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        loadgen.shape(loadgen.grpc_target("x", address, "gb", "X", rows[0]), 0)

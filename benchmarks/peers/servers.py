@@ -46,6 +46,8 @@ class Peer:
     pids: Callable[[], list[int]]
     stop: Callable[[], None]
     stats: Callable[[], dict | None] = field(default=lambda: None)  # executions / inferences so far (Triton)
+    http_address: str = ""  # Triton: its HTTP endpoint beside the gRPC one
+    output_name: str = ""
 
 
 def _free_port() -> int:
@@ -158,6 +160,7 @@ def start_triton(name: str, model_dir: Path, description: str) -> Peer:
         name=name, protocol="grpc", address=server.grpc_url, model=model_dir.name, input_name="features", description=description,
         config=summary, versions={"triton": meta.get("version"), "server_environment": _server_env_versions()},
         pids=lambda: [server.process.pid] if server.process is not None else [], stop=server.stop, stats=stats,
+        http_address=server.http_url, output_name=cfg.output[0].name,
     )
 
 
