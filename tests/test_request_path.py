@@ -149,6 +149,78 @@ def test_ranking_order_equals_source_ranker(loop, services, compiled_demo, featu
     assert np.all(np.diff(result.scores) <= 0)
 
 
+async def _lean(server, *, deadline_s: float) -> TritonClient:
+    return TritonClient(server.grpc_url, deadline_s=deadline_s, http_url=server.http_url)
+
+
+def test_the_lean_http_transport_scores_what_grpc_scores(loop, services, triton, feature_repo):
+    """TritonClient(http_url=...) sends inference over Triton's HTTP endpoint (binary tensors): the same
+    fraud probabilities and the same ranking as over gRPC, from the same server."""
+    client, fetcher, fraud, ranking = services
+    lean = loop.run_until_complete(_lean(triton, deadline_s=2.0))
+    try:
+        fraud_http = FraudService(lean, fetcher, model="fraud_xgb")
+        for i, user in enumerate([2, 9, 77]):
+            txn = _transaction(i, user)
+            ours, http = loop.run_until_complete(fraud.score(txn)), loop.run_until_complete(fraud_http.score(txn))
+            np.testing.assert_array_equal(http.features, ours.features)
+            assert http.probability == ours.probability and http.threshold == ours.threshold
+        candidates = list(range(1, 301))
+        ranked = loop.run_until_complete(ranking.rank(8, candidates, _context(1)))
+        ranked_http = loop.run_until_complete(RankingService(lean, fetcher, model="ranking_xgb", max_candidates=1000, chunk_size=128)
+                                              .rank(8, candidates, _context(1)))
+        assert list(ranked_http.item_ids) == list(ranked.item_ids) and ranked_http.chunks == 3
+        np.testing.assert_array_equal(ranked_http.scores, ranked.scores)
+        # Concurrency: the pool opens connections as calls need them and keeps them for the next ones.
+        x = np.random.default_rng(5).normal(size=(24, 1, len(schema.FRAUD_FEATURES))).astype(np.float32)
+
+        async def many():
+            return await asyncio.gather(*(lean.infer("fraud_xgb", {schema.INPUT_TENSOR: row}) for row in x))
+
+        got = [r.outputs[schema.OUTPUT_TENSORS["binary"]] for r in loop.run_until_complete(many())]
+        want = [loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: row})).outputs[schema.OUTPUT_TENSORS["binary"]] for row in x]
+        np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+        assert 1 <= lean._http._open == len(lean._http._idle) <= 24
+    finally:
+        loop.run_until_complete(lean.close())
+
+
+def test_the_http_pool_bound_and_its_errors(loop, triton, tmp_path):
+    """At most max_connections are open (a call beyond waits for one); Triton's own error comes back with its
+    message; an endpoint that is not there is UNAVAILABLE (retried by the client within the deadline)."""
+    from tritonclient.utils import InferenceServerException
+
+    from scorestack.client.http_wire import HttpWire
+    from scorestack.serve.ports import free_port
+    from scorestack.serve.security import ClientTls
+
+    x = np.random.default_rng(6).normal(size=(1, len(schema.FRAUD_FEATURES))).astype(np.float32)
+    wire = HttpWire(triton.http_url, max_connections=2)
+    out = schema.OUTPUT_TENSORS["binary"]
+
+    async def run():
+        calls = [wire.infer("fraud_xgb", [(schema.INPUT_TENSOR, "FP32", x)], [out], 5.0) for _ in range(10)]
+        results = await asyncio.gather(*calls)
+        assert wire._open == 2 and len(wire._idle) == 2
+        with pytest.raises(InferenceServerException, match="nope") as err:
+            await wire.infer("fraud_xgb", [("nope", "FP32", x)], [out], 5.0)
+        assert err.value.status() == "HTTP 400"
+        await wire.close()
+        dead = HttpWire(f"127.0.0.1:{free_port()}")
+        with pytest.raises(InferenceServerException, match="failed to connect") as err:
+            await dead.infer("fraud_xgb", [(schema.INPUT_TENSOR, "FP32", x)], [out], 1.0)
+        assert "UNAVAILABLE" in err.value.status()
+        return results
+
+    results = loop.run_until_complete(run())
+    assert all(np.array_equal(r[out], results[0][out]) for r in results) and results[0][out].shape == (1, 1)
+    (tmp_path / "ca.pem").write_text("a CA file (never read: the combination is refused first)")
+    with pytest.raises(ValueError, match="http_url.*no TLS"):
+        TritonClient(triton.grpc_url, http_url=triton.http_url, tls=ClientTls(ca=tmp_path / "ca.pem"))
+    with pytest.raises(ValueError, match="http_url: 'triton' is not host:port"):
+        HttpWire("triton")
+
+
 @pytest.fixture(scope="module")
 def handwritten(compiled_demo, feature_repo, tmp_path_factory):
     """The services a user would write without scorestack (benchmarks/peers/handwritten.py): Feast's
@@ -502,25 +574,29 @@ def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, 
     ports = dict(zip(("grpc_port", "http_port", "metrics_port"), free_ports(3)))
     server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **ports).start()
     client, fetcher = _open(loop, server.grpc_url, feature_repo, deadline_s=0.5, timeout_s=0.5)
-    fraud = FraudService(client, fetcher, model="fraud_xgb")
+    lean = loop.run_until_complete(_lean(server, deadline_s=0.5))  # the lean HTTP transport: the same faults, the same answers
+    services = [FraudService(client, fetcher, model="fraud_xgb"), FraudService(lean, fetcher, model="fraud_xgb")]
     try:
-        before = loop.run_until_complete(fraud.score(_transaction(2, 20))).probability
+        before = [loop.run_until_complete(fraud.score(_transaction(2, 20))).probability for fraud in services]
+        assert before[0] == before[1]
         server.stop()
-        start = time.monotonic()
-        with pytest.raises(InferenceError, match="fraud_xgb") as err:
-            loop.run_until_complete(fraud.score(_transaction(2, 20)))
-        elapsed = time.monotonic() - start
-        assert "deadline" in str(err.value) or "unavailable" in str(err.value)
-        assert elapsed < 5.0, f"not a hang, but {elapsed:.1f} s for a 0.5 s deadline"  # generous: no hang
+        for fraud in services:
+            start = time.monotonic()
+            with pytest.raises(InferenceError, match="fraud_xgb") as err:
+                loop.run_until_complete(fraud.score(_transaction(2, 20)))
+            elapsed = time.monotonic() - start
+            assert "deadline" in str(err.value) or "unavailable" in str(err.value)
+            assert elapsed < 5.0, f"not a hang, but {elapsed:.1f} s for a 0.5 s deadline"  # generous: no hang
         server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **ports).start()
-        # Same client object: the channel reconnects; no rebuild.
-        fraud.deadline_s = 5.0
-        after = loop.run_until_complete(fraud.score(_transaction(2, 20))).probability
-        assert after == pytest.approx(before, abs=1e-7)
+        # Same client objects: the channel reconnects, the HTTP pool opens new connections; no rebuild.
+        for fraud, was in zip(services, before):
+            fraud.deadline_s = 5.0
+            assert loop.run_until_complete(fraud.score(_transaction(2, 20))).probability == pytest.approx(was, abs=1e-7)
     finally:
         server.stop()
         loop.run_until_complete(fetcher.close())
         loop.run_until_complete(client.close())
+        loop.run_until_complete(lean.close())
 
 
 def _not_all_stopped(pid: int) -> str | None:
@@ -546,25 +622,30 @@ def test_triton_paused_answers_within_the_deadline(loop, compiled_demo, server_e
         return TritonClient(server.grpc_url, deadline_s=0.4)
 
     client = loop.run_until_complete(make())
+    lean = loop.run_until_complete(_lean(server, deadline_s=0.4))
     x = np.zeros((1, len(schema.FRAUD_FEATURES)), dtype=np.float32)
     try:
         before = loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: x})).outputs
+        assert loop.run_until_complete(lean.infer("fraud_xgb", {schema.INPUT_TENSOR: x})).outputs == before
         os.kill(server.process.pid, signal.SIGSTOP)
         # A signal is delivered asynchronously: on a busy machine a Triton thread already running may answer one
         # more call before it stops (seen once in a parallel run). Wait until every thread is stopped.
         wait_until(lambda: _not_all_stopped(server.process.pid), timeout_s=5.0, what="tritonserver stopped by SIGSTOP")
         try:
-            for deadline_s in (0.2, 0.4):
-                start = time.monotonic()
-                with pytest.raises(InferenceError, match="fraud_xgb.*deadline exceeded"):
-                    loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: x}, deadline_s=deadline_s))
-                assert time.monotonic() - start < deadline_s + 2.0  # generous: the point is no hang
+            for c in (client, lean):  # gRPC's own deadline; the HTTP transport's timer
+                for deadline_s in (0.2, 0.4):
+                    start = time.monotonic()
+                    with pytest.raises(InferenceError, match="fraud_xgb.*deadline exceeded"):
+                        loop.run_until_complete(c.infer("fraud_xgb", {schema.INPUT_TENSOR: x}, deadline_s=deadline_s))
+                    assert time.monotonic() - start < deadline_s + 2.0  # generous: the point is no hang
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
-        after = loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: x}, deadline_s=5.0)).outputs
-        np.testing.assert_array_equal(after[schema.OUTPUT_TENSORS["binary"]], before[schema.OUTPUT_TENSORS["binary"]])
+        for c in (client, lean):
+            after = loop.run_until_complete(c.infer("fraud_xgb", {schema.INPUT_TENSOR: x}, deadline_s=5.0)).outputs
+            np.testing.assert_array_equal(after[schema.OUTPUT_TENSORS["binary"]], before[schema.OUTPUT_TENSORS["binary"]])
     finally:
         loop.run_until_complete(client.close())
+        loop.run_until_complete(lean.close())
         server.stop()
 
 
