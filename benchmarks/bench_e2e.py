@@ -211,14 +211,14 @@ def render(result: dict) -> str:
              "Medians over rounds, ranges in brackets.", "",
              "| service | c1 p50 / p99 ms | c1 machine CPU ms/score | c16 req/s (p99 ms) | c64 req/s (p99 ms) | failed |",
              "|---|---|---|---|---|---|"]
-    for name in SYSTEMS:
+    for name in (n for n in SYSTEMS if n in s):  # a results file from before a system was added lacks it
         p = s[name]
         lines.append(f"| {LABELS[name]} | {p['c1']['p50_ms']:.3f} / {p['c1']['p99_ms']:.3f} [{p['c1']['p50_range'][0]:.3f}–{p['c1']['p50_range'][1]:.3f}] | "
                      f"{p['c1']['machine_cpu_ms_per_score']:.2f} | {p['c16']['rate']:,.0f} ({p['c16']['p99_ms']:.1f}) | "
                      f"{p['c64']['rate']:,.0f} [{p['c64']['rate_range'][0]:,.0f}–{p['c64']['rate_range'][1]:,.0f}] ({p['c64']['p99_ms']:.1f}) | "
                      f"{sum(p[f'c{c}']['failed'] for c in REQUESTS)} |")
-    mc = s["model_call"]
-    lines += ["", "The hop to the model alone (`TritonClient.infer` of one fraud vector, concurrency 1, 1,000 calls per round): "
+    mc = s.get("model_call", {})
+    lines += [] if not mc else ["", "The hop to the model alone (`TritonClient.infer` of one fraud vector, concurrency 1, 1,000 calls per round): "
               + "; ".join(f"{'gRPC' if k == 'scorestack' else 'lean HTTP'} p50 {v['p50_ms']:.3f} / p99 {v['p99_ms']:.3f} ms" for k, v in mc.items()) + "."]
     rk = s["ranking_500"]
     lines += ["", "Ranking, 1 user x 500 items, concurrency 1: " + "; ".join(
