@@ -4,7 +4,8 @@
 
 Three fraud services in one process each, on the same Redis online store and the same model:
 - scorestack: `FraudService` (the fetch layer's direct Redis read, the model in the local Triton over gRPC,
-  and again with the client's lean HTTP transport, `TritonClient(http_url=...)`);
+  and again with the client's lean HTTP transport, `TritonClient(http_url=...)`, and with Triton inside the
+  service's process, `TritonClient(in_process=InProcessTriton(...))`);
 - hand-written, sync: `feast.FeatureStore.get_online_features` + onnxruntime in-process (1 thread),
   concurrent callers on threads (what a sync service does);
 - hand-written, async: `get_online_features_async` + onnxruntime, concurrent callers as tasks.
@@ -46,13 +47,15 @@ from scorestack.demo.features import init_repo
 from scorestack.demo.train import train_demo_models
 from scorestack.features import store
 from scorestack.features.fetch import FeatureFetcher
-from scorestack.serve import LocalTriton
+from scorestack.serve import InProcessTriton, LocalTriton
 
-SYSTEMS = ("scorestack", "scorestack_http", "handwritten_sync", "handwritten_async")
-OURS = ("scorestack", "scorestack_http")
+SYSTEMS = ("scorestack", "scorestack_http", "scorestack_inprocess", "handwritten_sync", "handwritten_async")
+OURS = ("scorestack", "scorestack_http", "scorestack_inprocess")
+VIA = {"scorestack": "gRPC", "scorestack_http": "lean HTTP", "scorestack_inprocess": "in-process Triton"}
 LABELS = {
     "scorestack": "scorestack fraud path (direct Redis read + Triton over gRPC)",
     "scorestack_http": "scorestack fraud path, lean HTTP transport (direct Redis read + Triton over HTTP/1.1, binary tensors)",
+    "scorestack_inprocess": "scorestack fraud path, Triton in the service's process (direct Redis read + Triton's C API)",
     "handwritten_sync": "hand-written: Feast get_online_features + onnxruntime, threads",
     "handwritten_async": "hand-written: Feast get_online_features_async + onnxruntime, tasks",
 }
@@ -126,7 +129,7 @@ async def measure_system(name: str, fraud: dict[str, FraudService], hand: HandWr
 
 async def measure_ranking(ranking: dict[str, RankingService], hand: HandWrittenRanking, n: int, rng: np.random.Generator) -> dict:
     ctx = {k: float(v) for k, v in demo_data.make_ranking_context(1, seed=4).iloc[0].items()}
-    out: dict[str, list[float]] = {"scorestack": [], "scorestack_http": [], "handwritten_sync": []}
+    out: dict[str, list[float]] = {**{k: [] for k in ranking}, "handwritten_sync": []}
     plans = [(int(rng.integers(1, N_USERS + 1)), rng.choice(np.arange(1, 2001), 500, replace=False).tolist()) for _ in range(n)]
     for user, items in plans[:3]:  # warm-up: each reads every item once
         for service in ranking.values():
@@ -157,28 +160,28 @@ async def measure_model_call(clients: dict[str, TritonClient], features: np.ndar
     return {k: {"p50_ms": float(np.percentile(v, 50)), "p99_ms": float(np.percentile(v, 99))} for k, v in lat.items()}
 
 
-async def run_round(grpc_url: str, http_url: str, repo: Path, onnx: dict[str, Path], r: int, scale: int, n_rank: int) -> dict:
+async def run_round(grpc_url: str, http_url: str, in_process: InProcessTriton, repo: Path, onnx: dict[str, Path], r: int, scale: int, n_rank: int) -> dict:
     rng = np.random.default_rng(r)
     txns = _transactions(2000, rng)
     hand = HandWrittenFraud(repo, onnx["fraud_xgb"])
     hand_rank = HandWrittenRanking(repo, onnx["ranking_xgb"])
     out: dict = {"round": r}
     async with TritonClient(grpc_url, deadline_s=5.0) as triton, TritonClient(grpc_url, deadline_s=5.0, http_url=http_url) as lean, \
-            FeatureFetcher.from_repo(repo, timeout_s=0.05) as fetcher:
-        fraud = {"scorestack": FraudService(triton, fetcher), "scorestack_http": FraudService(lean, fetcher)}
+            TritonClient(in_process=in_process, deadline_s=5.0) as local, FeatureFetcher.from_repo(repo, timeout_s=0.05) as fetcher:
+        clients = {"scorestack": triton, "scorestack_http": lean, "scorestack_inprocess": local}
+        fraud = {k: FraudService(c, fetcher) for k, c in clients.items()}
         if r == 0:
             out["max_abs_diff"] = max([await check_agreement(f, hand, txns[:200]) for f in fraud.values()])
             print(f"  agreement: max |Δp| {out['max_abs_diff']:.2e} over 200 transactions", flush=True)
             if out["max_abs_diff"] > 1e-4:
                 raise SystemExit(f"the hand-written service scores differently (max |Δp| {out['max_abs_diff']:.2e} > 1e-4): not a fair peer")
-        out["model_call"] = await measure_model_call({"scorestack": triton, "scorestack_http": lean}, (await fraud["scorestack"].score(txns[0])).features)
+        out["model_call"] = await measure_model_call(clients, (await fraud["scorestack"].score(txns[0])).features)
         print("  model call alone, c1: " + "; ".join(f"{k} p50 {v['p50_ms']:.3f} p99 {v['p99_ms']:.3f} ms" for k, v in out["model_call"].items()), flush=True)
         order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[: r % len(SYSTEMS)]
         out["order"] = list(order)
         for name in order:
             out[name] = await measure_system(name, fraud, hand, txns, scale)
-        out["ranking_500"] = await measure_ranking({"scorestack": RankingService(triton, fetcher, max_candidates=1000),
-                                                    "scorestack_http": RankingService(lean, fetcher, max_candidates=1000)}, hand_rank, n_rank, rng)
+        out["ranking_500"] = await measure_ranking({k: RankingService(c, fetcher, max_candidates=1000) for k, c in clients.items()}, hand_rank, n_rank, rng)
         print("  ranking 1x500: " + "; ".join(f"{k} p50 {v['p50_ms']:.2f} p99 {v['p99_ms']:.2f}" for k, v in out["ranking_500"].items()), flush=True)
     await hand.close()
     return out
@@ -206,7 +209,9 @@ def summarize(rounds: list[dict]) -> dict:
 def goals(s: dict) -> list[dict]:
     rows = []
     for name in OURS:
-        ours, via = s[name], "gRPC" if name == "scorestack" else "lean HTTP"
+        if name not in s:
+            continue
+        ours, via = s[name], VIA[name]
         best_c1 = min(("handwritten_sync", "handwritten_async"), key=lambda k: s[k]["c1"]["p50_ms"])
         peer = s[best_c1]["c1"]
         ratio = peer["p50_ms"] / ours["c1"]["p50_ms"]
@@ -252,7 +257,7 @@ def render(result: dict) -> str:
                                                         + (f" ({c['failed']} failed)" if c["failed"] else "") for c in cells) + " |")
     mc = s.get("model_call", {})
     lines += [] if not mc else ["", "The hop to the model alone (`TritonClient.infer` of one fraud vector, concurrency 1, 1,000 calls per round): "
-              + "; ".join(f"{'gRPC' if k == 'scorestack' else 'lean HTTP'} p50 {v['p50_ms']:.3f} / p99 {v['p99_ms']:.3f} ms" for k, v in mc.items()) + "."]
+              + "; ".join(f"{VIA[k]} p50 {v['p50_ms']:.3f} / p99 {v['p99_ms']:.3f} ms" for k, v in mc.items()) + "."]
     rk = s["ranking_500"]
     lines += ["", "Ranking, 1 user x 500 items, concurrency 1: " + "; ".join(
         f"{LABELS[k].split(' (')[0].replace('fraud path', 'ranking path')} p50 {rk[k]['p50_ms']:.2f} / p99 {rk[k]['p99_ms']:.2f} ms" for k in OURS if k in rk)
@@ -282,10 +287,11 @@ def main() -> None:
     store.materialize(repo)
     scale = 4 if args.quick else 1
     rounds = []
-    with LocalTriton(repository, models=["fraud_xgb", "ranking_xgb"], exit_timeout_s=0) as server:
+    with LocalTriton(repository, models=["fraud_xgb", "ranking_xgb"], exit_timeout_s=0) as server, \
+            InProcessTriton(repository, models=["fraud_xgb", "ranking_xgb"]) as in_process:
         for r in range(args.rounds):
             print(f"round {r}", flush=True)
-            rounds.append(asyncio.run(run_round(server.grpc_url, server.http_url, repo, onnx, r, scale, max(4, args.ranking_requests // scale))))
+            rounds.append(asyncio.run(run_round(server.grpc_url, server.http_url, in_process, repo, onnx, r, scale, max(4, args.ranking_requests // scale))))
     summary = summarize(rounds)
     result = {"rounds": rounds, "summary": summary, "goals": goals(summary), "machine": harness.machine(seconds=round(time.time() - t0, 1), quick=args.quick)}
     text = render(result)

@@ -7,7 +7,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -22,6 +22,9 @@ from scorestack.client.admission import AdaptiveLimit, Gate, gate_for, policy_of
 from scorestack.client.http_wire import HttpWire
 from scorestack.errors import InferenceError, OverloadedError, RequestValidationError, TlsError
 from scorestack.serve.security import AdminKey, ClientTls, diagnose_tls
+
+if TYPE_CHECKING:
+    from scorestack.serve.inprocess import InProcessTriton
 
 DEFAULT_DEADLINE_S = 1.0
 _CHANNEL_ARGS = [
@@ -158,11 +161,15 @@ class TritonClient:
     (client/http_wire.py: keep-alive HTTP/1.1, binary tensors; about a third of the gRPC call's cost
     from Python at concurrency 1) while metadata, readiness and admin calls stay on gRPC. Plaintext
     only: Triton's HTTP endpoint has no TLS, so it cannot be combined with `tls`.
+
+    `in_process` (a started scorestack.serve.InProcessTriton) sends `infer` and the metadata reads to
+    Triton running inside this process through its C API: no network hop at all. `url` may then be
+    None; with a `url`, admin and readiness calls still go there.
     """
 
     def __init__(
         self,
-        url: str,
+        url: str | None = None,
         *,
         deadline_s: float = DEFAULT_DEADLINE_S,
         max_retries: int = 20,
@@ -171,11 +178,17 @@ class TritonClient:
         admin_key: AdminKey | None = None,
         max_in_flight: int | str | AdaptiveLimit | None = None,
         http_url: str | None = None,
+        in_process: "InProcessTriton | None" = None,
     ) -> None:
+        if url is None and in_process is None:
+            raise ValueError("url: give Triton's gRPC address (host:port), or in_process=InProcessTriton(...)")
+        if http_url and in_process is not None:
+            raise ValueError("http_url and in_process are two transports for the same calls: give one")
         if http_url and tls is not None:
             raise ValueError("http_url: Triton's HTTP endpoint has no TLS; with tls, inference stays on gRPC (leave http_url unset)")
-        self.url = url
+        self.url = url or "in-process"
         self.http_url = http_url
+        self._in_process = in_process
         self._http = HttpWire(http_url) if http_url else None
         self.max_in_flight = policy_of(max_in_flight)
         self._gates: dict[str, Gate] = {}
@@ -186,7 +199,7 @@ class TritonClient:
         self.backoff_s = backoff_s
         # Short reconnect backoff: after a Triton restart the channel comes back within ~0.1-1 s
         # instead of gRPC's default (1 s growing to 120 s), without rebuilding the client.
-        self._client = aiogrpc.InferenceServerClient(url, channel_args=_CHANNEL_ARGS, **(tls.grpc_kwargs() if tls else {}))
+        self._client = aiogrpc.InferenceServerClient(url, channel_args=_CHANNEL_ARGS, **(tls.grpc_kwargs() if tls else {})) if url else None
         # tritonclient's gRPC stub on that channel, for `infer`'s lean path (None: a tritonclient
         # without it; `infer` then goes through tritonclient's own infer).
         self._stub = getattr(self._client, "_client_stub", None)
@@ -202,10 +215,13 @@ class TritonClient:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
-        await self._client.close()
+        if self._client is not None:
+            await self._client.close()
 
     @property
     def grpc(self) -> aiogrpc.InferenceServerClient:
+        if self._client is None:
+            raise ValueError("this client has no gRPC address (in_process only): give url= for gRPC calls")
         return self._client
 
     @property
@@ -214,6 +230,8 @@ class TritonClient:
         return self.admin_key.grpc_headers if self.admin_key else None
 
     async def is_ready(self, timeout_s: float = 1.0) -> bool:
+        if self._in_process is not None:
+            return self._in_process.is_ready()
         try:
             return bool(await asyncio.wait_for(self._client.is_server_ready(client_timeout=timeout_s), timeout_s))
         except (InferenceServerException, asyncio.TimeoutError, OSError):
@@ -225,8 +243,13 @@ class TritonClient:
             return self._models[model]
         deadline = time.monotonic() + (deadline_s or self.deadline_s)
         try:
-            meta = await self._retrying(model, deadline, lambda t: self._client.get_model_metadata(model, as_json=True, client_timeout=t))
-            config = await self._retrying(model, deadline, lambda t: self._client.get_model_config(model, as_json=True, client_timeout=t))
+            if self._in_process is not None:
+                server = self._in_process
+                meta = await self._retrying(model, deadline, lambda t: asyncio.to_thread(server.model_metadata, model))
+                config = await self._retrying(model, deadline, lambda t: asyncio.to_thread(server.model_config, model))
+            else:
+                meta = await self._retrying(model, deadline, lambda t: self._client.get_model_metadata(model, as_json=True, client_timeout=t))
+                config = await self._retrying(model, deadline, lambda t: self._client.get_model_config(model, as_json=True, client_timeout=t))
         except InferenceError as exc:
             if "unknown model" in str(exc).lower() or "not found" in str(exc).lower():
                 raise InferenceError(f"model {model!r}: not served by Triton at {self.url} ({exc.__cause__ or exc})") from exc
@@ -332,7 +355,23 @@ class TritonClient:
                      deadline: float, start: float) -> InferResult:
         wanted = list(outputs) if outputs is not None else list(wire.output_names)
         attempts = 0
-        if self._http is not None and wire.lean:
+        if self._in_process is not None and wire.lean:
+            arrays = [(name, datatype, np.ascontiguousarray(inputs[name])) for name, datatype in wire.inputs]
+            server, loop = self._in_process, asyncio.get_running_loop()
+
+            async def call(timeout: float):
+                nonlocal attempts
+                attempts += 1
+                future = server.infer(model, arrays, wanted, int(timeout * 1e6))
+                timer = loop.call_later(timeout, lambda: future.done() or future.set_exception(InferenceServerException(
+                    "Deadline Exceeded: no answer from the in-process Triton", status="DEADLINE_EXCEEDED")))
+                try:
+                    return await future
+                finally:
+                    timer.cancel()
+
+            out = await self._retrying(model, deadline, call, guard=False)
+        elif self._http is not None and wire.lean:
             arrays = [(name, datatype, np.ascontiguousarray(inputs[name])) for name, datatype in wire.inputs]
 
             async def call(timeout: float):
@@ -393,7 +432,7 @@ class TritonClient:
     async def _tls_problem(self, deadline: float) -> str | None:
         """After a connection failure: is it TLS (and which), or a server that is down? Bounded by the deadline."""
         remaining = deadline - time.monotonic()
-        if remaining <= 0.01:
+        if remaining <= 0.01 or self._client is None:
             return None
         return await asyncio.to_thread(diagnose_tls, self.url, self.tls, min(remaining, 1.0))
 

@@ -87,6 +87,17 @@ class ServerEnvironment:
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
         return self.triton_root / "python_backend_stubs" / version / "triton_python_backend_stub"
 
+    def backend_directory(self, root: Path) -> Path:
+        """A Triton backend directory under `root`: the wheel's backends/python has no stub, so its files are
+        paired with the stub for this Python (symlinks). Used by the launched server and the in-process one."""
+        backend = root / "python"
+        backend.mkdir(parents=True, exist_ok=True)
+        for src in (*self.python_backend_files, self.stub):
+            dst = backend / src.name
+            if not dst.exists():
+                os.symlink(src, dst)
+        return root
+
     def launch_env(self) -> dict[str, str]:
         """Environment for `tritonserver` and its Python backend stub (see docs/platform-notes.md)."""
         env = dict(os.environ)

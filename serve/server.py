@@ -175,7 +175,8 @@ class LocalTriton:
         )
         for name, reason in self.view.skipped.items():
             log.warning("model %s not served locally: %s", name, reason)
-        backends = self._assemble_backends(env)
+        assert self.run_dir is not None
+        backends = env.backend_directory(self.run_dir / "backends")
         # Free ports are picked then released: another process may take one first. Retry that
         # (and only that) with new ports, unless the caller fixed every port.
         attempts_left = 1 if all(self._fixed_ports) else 3
@@ -327,17 +328,6 @@ class LocalTriton:
         if self._ports is not None:
             self._ports.release()
             self._ports = None
-
-    def _assemble_backends(self, env: ServerEnvironment) -> Path:
-        # The wheel's backends/python has no stub: pair its files with the stub for this Python.
-        assert self.run_dir is not None
-        backend = self.run_dir / "backends" / "python"
-        backend.mkdir(parents=True, exist_ok=True)
-        for src in (*env.python_backend_files, env.stub):
-            dst = backend / src.name
-            if not dst.exists():
-                os.symlink(src, dst)
-        return backend.parent
 
     def _launch(self, env: ServerEnvironment, backends: Path) -> None:
         assert self.run_dir is not None and self.view is not None

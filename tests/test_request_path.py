@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -219,6 +220,88 @@ def test_the_http_pool_bound_and_its_errors(loop, triton, tmp_path):
         TritonClient(triton.grpc_url, http_url=triton.http_url, tls=ClientTls(ca=tmp_path / "ca.pem"))
     with pytest.raises(ValueError, match="http_url: 'triton' is not host:port"):
         HttpWire("triton")
+
+
+@pytest.fixture(scope="module")
+def in_process(compiled_demo, server_environment):
+    from scorestack.serve import InProcessTriton
+
+    with InProcessTriton(compiled_demo[1], models=["fraud_xgb", "ranking_xgb"], server_env=server_environment) as server:
+        yield server
+
+
+def test_triton_in_process_scores_what_the_remote_server_scores(loop, services, in_process, compiled_demo):
+    """TritonClient(in_process=...) runs Triton inside this process through its C API: the same fraud
+    probabilities and ranking as the remote server, the same model metadata, under concurrency too."""
+    client, fetcher, fraud, ranking = services
+    local = TritonClient(in_process=in_process, deadline_s=2.0)
+    fraud_local = FraudService(local, fetcher, model="fraud_xgb")
+    for i, user in enumerate([4, 13, 88]):
+        txn = _transaction(i, user)
+        ours, here = loop.run_until_complete(fraud.score(txn)), loop.run_until_complete(fraud_local.score(txn))
+        np.testing.assert_array_equal(here.features, ours.features)
+        assert here.probability == ours.probability and here.threshold == ours.threshold
+    ranked = loop.run_until_complete(ranking.rank(6, list(range(1, 301)), _context(2)))
+    ranked_here = loop.run_until_complete(RankingService(local, fetcher, model="ranking_xgb", max_candidates=1000, chunk_size=128)
+                                          .rank(6, list(range(1, 301)), _context(2)))
+    assert list(ranked_here.item_ids) == list(ranked.item_ids)
+    np.testing.assert_array_equal(ranked_here.scores, ranked.scores)
+    remote_info, local_info = (loop.run_until_complete(c.model_info("fraud_xgb")) for c in (client, local))
+    assert local_info == remote_info
+    x = np.random.default_rng(7).normal(size=(32, 1, len(schema.FRAUD_FEATURES))).astype(np.float32)
+
+    async def many():
+        return await asyncio.gather(*(local.infer("fraud_xgb", {schema.INPUT_TENSOR: row}) for row in x))
+
+    out = schema.OUTPUT_TENSORS["binary"]
+    got = np.concatenate([r.outputs[out] for r in loop.run_until_complete(many())])
+    want = np.concatenate([loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: row})).outputs[out] for row in x])
+    np.testing.assert_array_equal(got, want)
+    assert loop.run_until_complete(local.is_ready())
+
+
+def test_triton_in_process_errors_are_named(loop, in_process, compiled_demo, server_environment, tmp_path):
+    from tritonclient.utils import InferenceServerException
+
+    from scorestack.errors import ServerError
+    from scorestack.serve import InProcessTriton
+    from scorestack.triton_config import load_config, write_config
+
+    local = TritonClient(in_process=in_process, deadline_s=2.0)
+    x = np.zeros((1, len(schema.FRAUD_FEATURES)), dtype=np.float32)
+    with pytest.raises(InferenceError, match="fraud_typo"):
+        loop.run_until_complete(local.infer("fraud_typo", {schema.INPUT_TENSOR: x}))
+    with pytest.raises(RequestValidationError, match="float64"):
+        loop.run_until_complete(local.infer("fraud_xgb", {schema.INPUT_TENSOR: x.astype(np.float64)}))
+
+    async def triton_refuses():  # past the client's checks: Triton's own message comes back
+        return await in_process.infer("fraud_xgb", [("nope", "FP32", x)], [schema.OUTPUT_TENSORS["binary"]], 1_000_000)
+
+    with pytest.raises(InferenceServerException, match="nope"):
+        loop.run_until_complete(triton_refuses())
+    with pytest.raises(ValueError, match="http_url and in_process"):
+        TritonClient("127.0.0.1:1", http_url="127.0.0.1:2", in_process=in_process)
+    with pytest.raises(ValueError, match="url: give"):
+        TritonClient()
+    with pytest.raises(ServerError, match="fraud_typo.*not served"):
+        InProcessTriton(compiled_demo[1], models=["fraud_typo"], server_env=server_environment).start()
+    # A model on the Python backend is refused by name, with the fix.
+    repo = tmp_path / "repo"
+    shutil.copytree(compiled_demo[1] / "fraud_xgb", repo / "fraud_xgb")
+    cfg = load_config(repo / "fraud_xgb" / "config.pbtxt")
+    cfg.backend = "python"
+    write_config(cfg, repo / "fraud_xgb" / "config.pbtxt")
+    with pytest.raises(ServerError, match="'fraud_xgb' runs on Triton's Python backend.*native_backend"):
+        InProcessTriton(repo, models=["fraud_xgb"], server_env=server_environment).start()
+    # Stopped: the next call fails at once, naming why, instead of hanging.
+    second = InProcessTriton(compiled_demo[1], models=["fraud_xgb"], server_env=server_environment).start()
+    client = TritonClient(in_process=second, deadline_s=1.0, max_retries=0)
+    assert loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: x})).outputs
+    second.stop()
+    start = time.monotonic()
+    with pytest.raises(InferenceError, match="in-process Triton is not running"):
+        loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: x}))
+    assert time.monotonic() - start < 2.0
 
 
 @pytest.fixture(scope="module")
