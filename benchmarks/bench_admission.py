@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def start():
         peer = servers.start_triton("scorestack", servers.triton_variants(model, servers.tmp_run_dir("scorestack-admission-"))["batching"], "")
-        servers.pin_tree(peer.pids(), server_cpus)
+        harness.pin(peer.pids(), server_cpus, children=True)
         return peer
 
     driver = harness.Workers(1, "bench_admission:session", {"rows": rows, "per_request": args.rows, "uvloop": False}, cpus=client_cpus)

@@ -486,32 +486,20 @@ def memory(server_pid: int, client_pids: Sequence[int] | None = None) -> dict[st
             "n_clients": len(clients), "stubs": [{"pid": pid, "name": name, "rss_mib": round(r, 1)} for pid, name, r in stubs]}
 
 
-def pin(pids: Iterable[int], cpus: Iterable[int]) -> None:
-    """Every thread of these processes may run only on `cpus` (threads created later inherit it)."""
+def pin(pids: Iterable[int], cpus: Iterable[int], *, children: bool = False) -> None:
+    """Every thread of these processes (and, with `children`, of their descendants: a server's stubs) may run
+    only on `cpus`; threads created later inherit it."""
     cpus = sorted(cpus)
     for pid in pids:
-        try:
-            for t in psutil.Process(pid).threads():
-                try:
-                    os.sched_setaffinity(t.id, cpus)
-                except OSError:
-                    pass
-        except psutil.NoSuchProcess:
-            pass
-
-
-def placement(pids: Iterable[int]) -> list[dict]:
-    """Per process: name, threads, the CPUs it may run on, the CPU it last ran on."""
-    out = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            with p.oneshot():
-                out.append({"pid": pid, "name": p.name(), "threads": p.num_threads(), "cpus_allowed": p.cpu_affinity(),
-                            "last_cpu": p.cpu_num(), "args": " ".join(p.cmdline()[1:4])[:120]})
-        except psutil.NoSuchProcess:
-            pass
-    return out
+        for proc in tree(pid) if children else tree(pid)[:1]:
+            try:
+                for t in proc.threads():
+                    try:
+                        os.sched_setaffinity(t.id, cpus)
+                    except OSError:
+                        pass
+            except psutil.NoSuchProcess:
+                pass
 
 
 class GcPauses:

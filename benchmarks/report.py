@@ -24,6 +24,7 @@ LABELS = {
     "scorestack_http": "scorestack over HTTP, JSON",
     "scorestack_http_binary": "scorestack over HTTP, binary tensor",
     "mlserver": "MLServer + mlserver-xgboost",
+    "bentoml": "BentoML + onnxruntime (async API, 1 worker)",
     "fastapi_onnxruntime": "FastAPI + onnxruntime (async, 1 worker)",
     "fastapi_onnxruntime_w2": "FastAPI + onnxruntime (async, 2 workers)",
     "fastapi_onnxruntime_sync": "FastAPI + onnxruntime (sync endpoint, 1 worker)",

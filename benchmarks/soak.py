@@ -1,45 +1,18 @@
-"""Soak: fraud requests at 70% of the measured maximum throughput for minutes, watching errors, tails and memory.
+"""Soak: fraud requests at 70% of the sustainable maximum for minutes, watching errors, tails and memory.
 
-The real request path end to end: `FraudService.score` with features read from Redis through the
-`FeatureFetcher`, inference on the local Triton serving the demo models. The load comes from
-`--clients` processes (default 2), each with its own event loop, Triton client and feature fetcher,
-as a fraud service scales out: one Python process spends ~3 ms of CPU per paced request, and a
-single event loop 80-90% busy made its own tails (results/soak.md of 2026-12-01 morning: p99 per
-minute 0.47-1.81x of the first at 333 req/s, one queue-timeout error). Three phases:
-
-1. warm-up (metadata, channel, feature cache), then the **maximum throughput**: a closed loop at a
-   fixed concurrency (default 16, split over the clients) for ~15 s gives the rate to start from,
-   and open-loop steps of `step_s` (default 8 s) at 100%, 90%, 80%, ... of it find the
-   **sustainable maximum**: the highest offered rate the stack keeps up with (no errors, under 1%
-   of requests started late, p99 within the model's latency budget from its report.json, or
-   `--p99-budget-ms`): the maximum throughput of a latency-bound service is the one that meets its
-   budget. An open loop costs the client more per request than a closed one (a
-   task and a timer per request, no back-pressure);
-2. an **open loop** at `utilization` (default 0.7) of the sustainable maximum: request i is due at
-   t0 + i/rate (the clients interleave the one schedule: client j sends i = j, j + n, ...)
-   and runs as its own asyncio task whatever the previous ones are doing, so a slow server cannot
-   slow the offered load down (a closed loop would hide exactly that). Latency is measured from the
-   due time, not from the actual start, for the same reason. In-flight requests are capped (memory
-   cannot run away); a request started more than `late_after_ms` after its due time counts as
-   `late`, and one still not started when the run ends counts as `unsent`: neither is hidden;
-3. every `window_s` (default 60 s): requests sent, answered, errors by exception class (an
-   OverloadedError is an error too), degraded feature results (answered, with defaults),
-   p50/p99/max latency of the requests answered in the window, resident memory (VmRSS) of
-   tritonserver, of its child processes (the Python backend stubs, summed) and of the clients
-   (summed), and CPU use (clients, the busiest event-loop thread, server, and the rest of the machine: on a shared
-   machine a stall of someone else's making must not pass for one of ours). The first message of
-   each error class is kept.
-
-Verdict (printed as PASS/FAIL; the exit code is 0 unless `--check`): no errors; tritonserver+stubs
-and client memory grew < 5% from the end of the second window (minute 2 at the default window)
-to the end; every window's p99 is <= 1.5x the first window's.
+The real request path (`FraudService.score`: features from Redis, inference on the local Triton),
+driven from `--clients` processes (default 2) as a fraud service scales out. Three phases: the
+maximum throughput (a closed loop), then the **sustainable maximum** (open-loop steps down from it:
+the highest rate kept up with no errors, under 1% of requests started late and p99 within the
+model's latency budget); then an open loop at `utilization` of it (latency from each request's due
+time; late and unsent requests counted, never hidden), reported every `window_s`: errors by class,
+degraded results, p50/p99/max, resident memory of tritonserver, its stubs and the clients, CPU of
+clients, server and the rest of the machine, GC pauses. Verdict (enforced with `--check`): no
+errors, memory growth < 5% after the second window, every window's p99 <= 1.5x the first's.
+docs/benchmarks.md says why each rule.
 
     .venv/bin/python benchmarks/soak.py                 # 10 minutes, 60 s windows -> results/soak.{json,md}
     .venv/bin/python benchmarks/soak.py --seconds 60    # short mode, 10 s windows -> results/soak_short.{json,md}
-
-Set-up as in bench_request_path.py: the demo models are trained and compiled into the workspace
-when absent, the Feast features applied and materialized into Redis (REDIS_URL, default
-redis://127.0.0.1:6379/0), and the local Triton started on free ports.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ RESULTS = HERE / "results"
 # single-process service); `_sync` the threadpool endpoint users also write; `_w2` two workers.
 FASTAPI_TARGETS = tuple(f"fastapi_{rt}{v}" for rt in ("onnxruntime", "xgboost") for v in ("", "_w2", "_sync"))
 TRITON_HTTP = ("scorestack_http", "scorestack_http_binary")  # the scorestack server's HTTP endpoint
-TARGETS = ("scorestack", "scorestack_nobatch", "scorestack_python", "triton_cache_floor", *TRITON_HTTP, "mlserver", *FASTAPI_TARGETS)
+TARGETS = ("scorestack", "scorestack_nobatch", "scorestack_python", "triton_cache_floor", *TRITON_HTTP, "mlserver", "bentoml", *FASTAPI_TARGETS)
 DESCRIPTIONS = {
     "scorestack": "scorestack: compiled fraud model in the local Triton, derived dynamic batching, KServe v2 gRPC",
     "scorestack_nobatch": "the same model folder with the dynamic_batching block removed, KServe v2 gRPC",
@@ -83,6 +83,8 @@ def start_peers(model, run_dir: Path, names: tuple[str, ...]) -> tuple[dict, dic
                 # that MLServer turns batching off at max_batch_time 0: then 200 µs (scorestack's earlier derived delay).
                 peer = servers.start_mlserver(model, run_dir / "mlserver", int(triton.get("max_batch_size", 64)),
                                               int(triton.get("max_queue_delay_us") or MLSERVER_MIN_BATCH_TIME_US), log=log)
+            elif name == "bentoml":
+                peer = servers.start_bentoml(model, run_dir / "bentoml", log=log)
             elif name in FASTAPI_TARGETS:
                 peer = servers.start_fastapi(name.split("_")[1], model, run_dir, endpoint="sync" if name.endswith("_sync") else "async",
                                              workers=2 if name.endswith("_w2") else 1)
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             targets[name] = target
             if server_cpus and name not in TRITON_HTTP:
-                servers.pin_tree(peer.pids(), server_cpus)
+                harness.pin(peer.pids(), server_cpus, children=True)
         data["peers"] = {n: {"description": p.description, "protocol": p.protocol, "config": p.config, "versions": p.versions,
                              "probability": answer(targets[n])} for n, p in peers.items()}
         data["peers_failed"] = failed

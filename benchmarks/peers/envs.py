@@ -1,4 +1,4 @@
-"""Virtual environments of the peers that cannot share .venv (MLServer: its own FastAPI and numpy pins).
+"""Virtual environments of the peers that cannot share .venv (MLServer, BentoML: their own FastAPI, numpy pins).
 
 Each environment is built once under ~/.cache/scorestack/peers/<name>-<hash of its pins> with
 `python -m venv` + pip, and its installed versions are read back for the report.
@@ -22,6 +22,12 @@ from pathlib import Path
 MLSERVER_PINS = ("mlserver==1.7.1", "xgboost-cpu==3.2.0", "scikit-learn==1.9.1")
 MLSERVER_NO_DEPS = ("mlserver-xgboost==1.7.1",)
 MLSERVER_REPORTED = ("mlserver", "mlserver-xgboost", "xgboost-cpu", "scikit-learn", "numpy", "fastapi", "uvicorn", "grpcio", "protobuf", "uvloop")
+
+
+# BentoML with the onnxruntime the project's own peers use, and uvloop + httptools for its uvicorn (without
+# them uvicorn falls back to asyncio and the pure-Python h11 parser).
+BENTOML_PINS = ("bentoml==1.4.40", "onnxruntime==1.31.1", "uvloop>=0.19", "httptools>=0.6")
+BENTOML_REPORTED = ("bentoml", "onnxruntime", "numpy", "starlette", "uvicorn", "uvloop", "httptools")
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,11 @@ def mlserver_env(log=print) -> PeerEnv:
     return ensure_env("mlserver", MLSERVER_PINS, MLSERVER_NO_DEPS, log=log)
 
 
+def bentoml_env(log=print) -> PeerEnv:
+    return ensure_env("bentoml", BENTOML_PINS, log=log)
+
+
 if __name__ == "__main__":
-    e = mlserver_env()
-    print(e.root, e.versions(MLSERVER_REPORTED))
+    for build, reported in ((mlserver_env, MLSERVER_REPORTED), (bentoml_env, BENTOML_REPORTED)):
+        e = build()
+        print(e.root, e.versions(reported))

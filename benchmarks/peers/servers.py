@@ -269,28 +269,42 @@ def start_fastapi(runtime: str, model: FraudModel, run_dir: Path, threads: int =
     )
 
 
+# -- BentoML ---------------------------------------------------------------------------------------
+def start_bentoml(model: FraudModel, run_dir: Path, log=print) -> Peer:
+    """`bentoml serve` of peers/bentoml_service.py (1 worker, async API, onnxruntime with 1 thread) in its own venv."""
+    from peers.envs import BENTOML_REPORTED, bentoml_env
+
+    env = bentoml_env(log=log)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    logf = run_dir / "bentoml.log"
+    penv = {**os.environ, "SCORESTACK_BENTO_MODEL": str(model.onnx), "BENTOML_HOME": str(run_dir / "bentoml_home"), "OMP_NUM_THREADS": "1"}
+    penv.pop("PYTHONPATH", None)
+    cmd = [str(env.bin / "bentoml"), "serve", "bentoml_service:Fraud", "--host", "127.0.0.1", "--port", str(port)]
+    with open(logf, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=HERE, env=penv, start_new_session=True)
+    try:
+        _wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/readyz"), proc, 120, "bentoml service Fraud", logf)
+    except Exception:
+        _stop_proc(proc)
+        raise
+
+    def pids() -> list[int]:  # bentoml's supervisor and its worker process
+        import psutil
+
+        try:
+            return [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        except psutil.NoSuchProcess:
+            return [proc.pid]
+
+    return Peer(
+        name="bentoml", protocol="http", address=f"127.0.0.1:{port}", model="/predict", input_name="features",
+        description="BentoML service (1 worker), async API, onnxruntime (1 intra-op thread) on the event loop, HTTP/1.1 JSON",
+        config={"command": "bentoml serve bentoml_service:Fraud", "service": "benchmarks/peers/bentoml_service.py", "workers": 1,
+                "request": 'POST /predict {"features": [30 floats]} -> {"probability": p}'},
+        versions=env.versions(BENTOML_REPORTED), pids=pids, stop=lambda: _stop_proc(proc),
+    )
+
+
 def tmp_run_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
-
-
-def pin_tree(pids: list[int], cpus: list[int]) -> list[int]:
-    """Pin every thread of these processes and their descendants to `cpus`; return the thread ids pinned.
-
-    os.sched_setaffinity on a pid moves only that thread: each task under /proc/<pid>/task is set.
-    """
-    import psutil
-
-    pinned = []
-    for pid in pids:
-        try:
-            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-        for p in procs:
-            for task in Path(f"/proc/{p.pid}/task").glob("*"):
-                try:
-                    os.sched_setaffinity(int(task.name), cpus)
-                    pinned.append(int(task.name))
-                except (ProcessLookupError, PermissionError, OSError):
-                    pass
-    return pinned
