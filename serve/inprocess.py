@@ -78,6 +78,7 @@ class _Api:
         if lib is None:
             raise ServerError(f"no libtritonserver in {env.libs_dir}: the server environment's wheel does not ship Triton's C API")
         self.lib = C.CDLL(str(lib), mode=C.RTLD_GLOBAL)
+        self._functions: dict[str, C._CFuncPtr] = {}
         self.shim = C.CDLL(str(_build_shim()), mode=C.RTLD_GLOBAL)  # its Triton symbols resolve against the library above
         self.shim.scorestack_drain.restype = C.c_size_t
         self.shim.scorestack_drain.argtypes = [C.POINTER(P), C.POINTER(C.c_uint64), C.c_size_t]
@@ -101,8 +102,10 @@ class _Api:
 
     def call(self, name: str, *args) -> None:
         """Call TRITONSERVER_<name>; a returned error becomes InferenceServerException with Triton's message and code."""
-        fn = getattr(self.lib, f"TRITONSERVER_{name}")
-        fn.restype = P
+        fn = self._functions.get(name)
+        if fn is None:  # looked up once: a ctypes lookup and restype per call cost ~4 µs, ten calls a request
+            fn = self._functions[name] = getattr(self.lib, f"TRITONSERVER_{name}")
+            fn.restype = P
         err = fn(*args)
         if err:
             raise self.error(err)
