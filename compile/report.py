@@ -392,10 +392,10 @@ def render_markdown(r: CompileReport) -> str:
         lines += [
             "Measured in the local Triton (serving.batching: auto; medians of interleaved rounds, raw gRPC requests of one row):",
             "",
-            "| alternative | instances | c1 p50 ms | c1 p99 ms | callers | req/s | p99 ms | errors | chosen |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| alternative | instances | c1 p50 ms | c1 p99 ms | callers | req/s | p99 ms | server CPU µs/request | errors | chosen |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *[f"| {m['name']} | {m['instances']} | {m['c1_p50_ms']:.3f} | {m['c1_p99_ms']:.3f} | {m['concurrency']} | {m['rate']:,.0f} | "
-              f"{m['p99_ms']:.2f} | {m['errors']} | {'yes' if m['chosen'] else ''} |" for m in t.measured],
+              f"{m['p99_ms']:.2f} | {m.get('server_cpu_us', float('nan')):.0f} | {m['errors']} | {'yes' if m['chosen'] else ''} |" for m in t.measured],
             "",
         ]
     return "\n".join(lines)

@@ -84,7 +84,7 @@ def test_batching_auto_measures_both_and_emits_the_chosen_one(user_model, tmp_pa
     assert [m["name"] for m in t.measured] == ["dynamic batching", "no batching"]
     for m in t.measured:
         assert m["rounds"] == tune.ROUNDS and m["concurrency"] == 16
-        assert 0 < m["c1_p50_ms"] <= m["c1_p99_ms"] and m["rate"] > 0
+        assert 0 < m["c1_p50_ms"] <= m["c1_p99_ms"] and m["rate"] > 0 and m["server_cpu_us"] > 0
     dynamic, none = t.measured
     # The emitted config is the one the rule picks from the recorded measurements.
     assert [m["chosen"] for m in t.measured].count(True) == 1
@@ -100,9 +100,10 @@ def test_batching_auto_measures_both_and_emits_the_chosen_one(user_model, tmp_pa
 
 
 def test_the_rule_keeps_batching_unless_no_batching_loses_nowhere():
-    base = {"errors": 0, "c1_p50_ms": 0.40, "rate": 10_000.0}
-    assert tune.choose(base, {**base, "c1_p50_ms": 0.35}) is True  # faster alone, same peak
-    assert tune.choose(base, {**base, "c1_p50_ms": 0.35, "rate": 9_800.0}) is True  # within the noise allowance
-    assert tune.choose(base, {**base, "c1_p50_ms": 0.35, "rate": 9_000.0}) is False  # loses at the peak
-    assert tune.choose(base, {**base, "c1_p50_ms": 0.45, "rate": 12_000.0}) is False  # slower alone
+    base = {"errors": 0, "c1_p50_ms": 0.40, "rate": 10_000.0, "server_cpu_us": 50.0}
+    assert tune.choose(base, {**base, "c1_p50_ms": 0.35}) is True  # faster alone, same cost at the peak
+    assert tune.choose(base, {**base, "c1_p50_ms": 0.35, "server_cpu_us": 51.0}) is True  # within the noise allowance
+    assert tune.choose(base, {**base, "c1_p50_ms": 0.35, "server_cpu_us": 60.0}) is False  # costs more at the peak
+    assert tune.choose(base, {**base, "c1_p50_ms": 0.35, "rate": 9_000.0}) is True  # the client-bound rate does not decide
+    assert tune.choose(base, {**base, "c1_p50_ms": 0.45, "server_cpu_us": 40.0}) is False  # slower alone
     assert tune.choose(base, {**base, "c1_p50_ms": 0.35, "errors": 3}) is False  # errors at the peak
