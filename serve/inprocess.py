@@ -30,7 +30,6 @@ import hashlib
 import itertools
 import json
 import os
-import subprocess
 import logging
 import shutil
 import tempfile
@@ -42,6 +41,7 @@ import numpy as np
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from scorestack.errors import ServerError
+from scorestack.serve.cbuild import build_library
 from scorestack.serve.environment import ServerEnvironment, ensure_server_environment
 from scorestack.serve.view import build_local_view
 from scorestack.triton_config import load_config
@@ -332,20 +332,7 @@ def _build_shim() -> Path:
     source = (resources.files("scorestack.serve") / "inprocess_shim.c").read_text(encoding="utf-8")
     cache = Path(os.environ.get("SCORESTACK_CACHE", Path.home() / ".cache" / "scorestack")) / "inprocess"
     lib = cache / f"shim-{hashlib.sha256(source.encode()).hexdigest()[:12]}.so"
-    if lib.is_file():
-        return lib
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise ServerError("the in-process Triton needs a C compiler (gcc) once, to build its callbacks: install gcc (apt-get install gcc)")
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        src, out = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
-        src.write_text(source)
-        done = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(src), "-lpthread"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise ServerError(f"building the in-process Triton's callbacks with {cc} failed: {done.stderr.strip()[:800]}")
-        os.replace(out, lib)
-    return lib
+    return build_library(source, lib, error=ServerError, what="the in-process Triton's callbacks", libs=("-lpthread",))
 
 
 def _settle(future: asyncio.Future, result: object) -> None:

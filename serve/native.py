@@ -15,14 +15,11 @@ SHA256SUMS rule included): a model moves between the two backends by its `backen
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 from scorestack.paths import home
+from scorestack.serve.cbuild import build_library
 
 BACKEND = "scorestack"  # config.pbtxt `backend`
 LIBRARY = "libtriton_scorestack.so"  # Triton's name for that backend's library
@@ -44,16 +41,6 @@ def library() -> Path:
     out = home() / "native" / digest / LIBRARY
     if out.exists():
         return out
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        raise NativeBackendUnavailable("no C compiler (gcc) on PATH: models are served through the Python backend instead")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        built = Path(tmp) / LIBRARY
-        cmd = [compiler, "-O2", "-fPIC", "-shared", "-std=gnu99", "-pthread", "-o", str(built), str(src), "-ldl"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise NativeBackendUnavailable(f"building {LIBRARY} failed: {done.stderr.strip()[:500]}")
-        os.replace(built, out)  # atomic: concurrent compile jobs never see half a library
-    return out
+    return build_library(src.read_text(), out, error=NativeBackendUnavailable, what=f"{LIBRARY} (models are served through the Python backend without it)",
+                         flags=("-std=gnu99", "-pthread"), libs=("-ldl",))
 

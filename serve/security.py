@@ -376,32 +376,13 @@ def build_key_shim(directory: str | os.PathLike[str]) -> Path:
     Needs a C compiler (gcc, as TL2cgen does); raises AdminKeyError naming it when there is none.
     """
     import hashlib
-    import shutil
-    import subprocess
-    import tempfile
+
+    from scorestack.serve.cbuild import build_library
 
     source = key_shim_source()
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
     tag = hashlib.sha256(source.encode()).hexdigest()[:12]
-    lib = d / f"{tag}-{_SHIM_NAME}"
-    if lib.is_file():
-        return lib
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise AdminKeyError(
-            "handing the admin key to tritonserver without its command line needs a C compiler (gcc), and none "
-            "was found: install gcc (apt-get install gcc)"
-        )
-    with tempfile.TemporaryDirectory(dir=d) as tmp:
-        src = Path(tmp) / "keyshim.c"
-        src.write_text(source)
-        out = Path(tmp) / _SHIM_NAME
-        done = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(src)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise AdminKeyError(f"building the admin-key handoff library with {cc} failed: {done.stderr.strip()[:800]}")
-        os.replace(out, lib)
-    return lib
+    return build_library(source, Path(directory) / f"{tag}-{_SHIM_NAME}", error=AdminKeyError,
+                         what="handing the admin key to tritonserver without its command line")
 
 
 @dataclass
