@@ -16,6 +16,7 @@ from scorestack.client.triton import TritonClient
 from scorestack.errors import InputValidationError, RequestValidationError
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
 from scorestack.features.push import CounterUpdate, FeatureWriter
+from scorestack.features.velocity import AsyncVelocityWriter
 from scorestack.serve.runtime.scorestack_runtime import PARAM_DECISION_THRESHOLD
 
 
@@ -55,6 +56,12 @@ class FraudService(ScoringPath):
     default: transactions in the last hour/day +1, amount in the last hour/day + amount) through
     Feast's push API in the background: the score never waits for it, and the next fetch of that
     user sees it. Counters not read fresh are not written back (counted as `skipped`).
+
+    With `velocity` (an AsyncVelocityWriter; pair it with a fetcher built with `windows=True`),
+    each scored transaction is instead added atomically to its user's windowed counters, in the
+    bucket of its time: exact under any number of replicas, and events age out of their window.
+    Its id is the transaction's `transaction_id` when it has one (a retried request then counts
+    once), else a fresh one. It takes precedence over `writer`.
     """
 
     request_fields: tuple[str, ...] = schema.FRAUD_REQUEST
@@ -72,13 +79,15 @@ class FraudService(ScoringPath):
         writer: FeatureWriter | None = None,
         counter_update: CounterUpdate | None = VELOCITY_UPDATE,
         metrics: RequestMetrics | None = None,
+        velocity: AsyncVelocityWriter | None = None,
     ) -> None:
         if threshold is not None and not 0.0 <= threshold <= 1.0:
             raise RequestValidationError("threshold", f"must be within [0, 1], got {threshold}")
         super().__init__(triton, fetcher, model=model, feature_names=feature_names, feature_service=feature_service, deadline_s=deadline_s, metrics=metrics)
         self.threshold = threshold
-        self.writer = writer
-        self.counter_update = counter_update if writer is not None else None
+        self.velocity = velocity
+        self.writer = writer if velocity is None else None
+        self.counter_update = counter_update if self.writer is not None else None
         if self.counter_update is not None:
             missing = sorted(set(self.counter_update.features) - set(fetcher.feature_names(feature_service)))
             if missing:
@@ -112,7 +121,10 @@ class FraudService(ScoringPath):
             result = await self.triton.infer(self.model, {schema.INPUT_TENSOR: vector}, deadline_s=self.deadline_s)
         probability = float(result.outputs[schema.OUTPUT_TENSORS["binary"]].reshape(-1)[0])
         threshold = self.threshold if self.threshold is not None else await self._served_threshold()
-        if self.counter_update is not None:
+        if self.velocity is not None:
+            event_id = transaction.get("transaction_id")
+            self.velocity.submit(user, transaction, event_id=None if event_id is None else str(event_id))
+        elif self.counter_update is not None:
             self._write_back(user, features, transaction, unwritten)
         return FraudScore(
             probability=probability,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Mapping, NamedTuple, Sequence
@@ -17,6 +18,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     import feast
+
+    from scorestack.features.velocity import VelocitySpec
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class ViewSpec:
     # Non-numeric features an on-demand view reads (Map, Json, String, ...): read as the Python
     # values Feast would hand the transformation, never converted to numbers.
     raw_features: tuple[str, ...] = ()
+    # The view's windowed counters (Feast field tags window_s/bucket_s), read as bucket sums by a
+    # fetcher built with windows=True (scorestack.features.velocity); None: none declared.
+    windows: "VelocitySpec | None" = None
 
     def entities(self, columns: Mapping[str, Sequence]) -> list:
         """Per row, the entity of this view: the key's value, or a tuple of values for a compound key."""
@@ -67,7 +73,13 @@ Rows = dict[str, list["Row | None"]]  # view name -> rows aligned with the entit
 
 
 class Backend:
-    """A store reader. `read` is one round trip; it may raise (the fetch layer turns that into defaults)."""
+    """A store reader. `read` is one round trip; it may raise (the fetch layer turns that into defaults).
+
+    `windows`: view -> the counters (scorestack.features.velocity) whose window sums replace the
+    view's windowed features in every read; empty (the default) reads views as Feast stores them.
+    """
+
+    windows: dict = {}
 
     name = "backend"
 
@@ -211,6 +223,11 @@ class FeastAsyncBackend(Backend):
         out: Rows = {}
         for call, response in zip(calls, responses):
             _parse_feast_response(self.views, wanted, call, response, out)
+        if self.windows:
+            from scorestack.features.velocity import read_windows
+
+            # A second round trip (in a thread): the direct reader reads the windows in its own one.
+            await asyncio.to_thread(read_windows, self.windows, self.views, wanted, out)
         return out
 
 
@@ -238,6 +255,10 @@ class FeastThreadBackend(Backend):
         for call in _feast_calls(self.views, wanted):
             response = self.store.get_online_features(features=call.refs, entity_rows=call.columns, full_feature_names=True)
             _parse_feast_response(self.views, wanted, call, response, out)
+        if self.windows:
+            from scorestack.features.velocity import read_windows
+
+            read_windows(self.windows, self.views, wanted, out)
         return out
 
     async def read(self, wanted: Wanted) -> Rows:
@@ -385,7 +406,24 @@ class DirectRedisBackend(Backend):
                 key = encode(entity)
                 commands += (head, b"$%d\r\n" % len(key), key, tail)
             plan.append((views, list(entity_ids)))
-        replies = await self._pipeline(b"".join(commands), sum(len(ids) for _, ids in plan))
+        n_rows = sum(len(ids) for _, ids in plan)
+        windowed = []
+        if self.windows:
+            # The windows' buckets: more HMGETs in the same pipeline, the same round trip.
+            from scorestack.features.resp import pack
+            from scorestack.features.velocity import entity_text
+
+            now = time.time()
+            for name, ids in wanted.items():
+                counters = self.windows.get(name)
+                if counters is not None:
+                    for entity in dict.fromkeys(ids):
+                        reads = counters.read_commands(entity_text(entity), now)
+                        for key, fields in reads:
+                            commands.append(pack("HMGET", key, *fields))
+                        windowed.append((name, entity, counters, len(reads)))
+        n_windows = sum(n for *_, n in windowed)
+        replies = await self._pipeline(b"".join(commands), n_rows + n_windows)
 
         out: Rows = {}
         offset = 0
@@ -416,4 +454,16 @@ class DirectRedisBackend(Backend):
                 out[name] = [rows_by_id[i] for i in wanted[name]]
                 column += width
                 raw_column += raw_width
+        if windowed:
+            from scorestack.features.velocity import overlay
+
+            offset = n_rows
+            sums: dict[tuple[str, Entity], dict[str, float]] = {}
+            for name, entity, counters, n in windowed:
+                got = counters.sums_from(now, replies[offset : offset + n])
+                offset += n
+                sums[(name, entity)] = got
+            for name in {name for name, *_ in windowed}:
+                view = self.views[name]
+                out[name] = [overlay(view, row, sums[(name, e)], now) for e, row in zip(wanted[name], out[name])]
         return out

@@ -74,6 +74,11 @@ class FeatureFetcher:
             concurrent, and every request in flight waited for it (c64 p99 220-280 ms; frozen:
             collections of 1-8 ms, p99 38-57 ms; benchmarks/results/request_path.md). Process-wide:
             False leaves the collector as it is.
+        windows: read the windowed counters a view declares (Feast field tags `window_s`,
+            `bucket_s`; scorestack.features.velocity) as the sums of their time buckets, in the
+            same store round trip as the rest of the view (direct reader; the Feast readers add
+            one). False (the default): those features read as Feast stores them (the batch or
+            pushed value), as Feast's own `get_online_features` does.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class FeatureFetcher:
         max_rows: int = 10_000,
         verify: bool = True,
         freeze_heap: bool = True,
+        windows: bool = False,
     ) -> None:
         if not timeout_s > 0:
             raise FeatureError(f"timeout_s: must be > 0, got {timeout_s}")
@@ -99,6 +105,7 @@ class FeatureFetcher:
             raise FeatureError(f"coalesce_window_s: must be >= 0 or None, got {coalesce_window_s}")
         self.store = store
         self.freeze_heap = freeze_heap
+        self.windows = windows
         self.timeout_s = float(timeout_s)
         self.max_rows = max_rows
         self._cache: TTLCache[Row] | None = TTLCache(cache_max_entries) if cache else None
@@ -165,11 +172,28 @@ class FeatureFetcher:
                 await _warm_up(lane.backend)
             if self._verify:
                 await self._verify_direct()
+            if self.windows:
+                self._attach_windows()
             self._started = True
             if self.freeze_heap:
                 gc.collect()
                 gc.freeze()
         return self
+
+    def _attach_windows(self) -> None:
+        """Give each backend the counters of the windowed views it reads (after verification,
+        which compares stored values with Feast's reads)."""
+        from scorestack.features.velocity import RedisVelocity, redis_prefix, sync_counters
+
+        for name, lane in self._lanes.items():
+            windows = {}
+            for view in lane.backend.views.values():
+                if view.windows is not None:
+                    if name == "direct":
+                        windows[view.name] = RedisVelocity(None, view.windows, prefix=redis_prefix(self.store.config.project))
+                    else:
+                        windows[view.name] = sync_counters(self.store, view.windows)
+            lane.backend.windows = windows
 
     async def _verify_direct(self, timeout_s: float = 5.0) -> None:
         """Keep the direct reader for an `auto` service only where it reads what Feast reads."""

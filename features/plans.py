@@ -15,6 +15,7 @@ import numpy as np
 
 from scorestack.errors import FeatureError, FeatureServiceError
 from scorestack.features.backends import ViewSpec
+from scorestack.features.velocity import spec_from_view
 from scorestack.validation import KEY_TYPES
 
 if TYPE_CHECKING:
@@ -213,6 +214,7 @@ def _view_spec(view, features: list[str], raw_features: list[str], key_types: tu
         ttl_s=view.ttl.total_seconds() if view.ttl else 0.0,
         cache_ttl_s=float(view.tags.get("cache_ttl_s", 0.0)),
         raw_features=tuple(f.name for f in view.features if f.name in raw_features),
+        windows=spec_from_view(view),
     )
 
 

@@ -155,7 +155,7 @@ class RedisVelocity:
         self.spec = spec
         self.prefix = f"{prefix}{spec.name}:"
         self.clock = clock
-        self._add = client.register_script(_ADD_SCRIPT)
+        self._add = client.register_script(_ADD_SCRIPT) if client is not None else None  # None: keys only
 
     def _key(self, entity: Any, bucket_s: int, bucket: int) -> str:
         return f"{self.prefix}{entity}:{bucket_s}:{bucket}"
@@ -213,8 +213,19 @@ class SqliteVelocity:
             " value REAL, PRIMARY KEY (name, entity, bucket_s, bucket, feature))"
         )
         self.db.execute("CREATE TABLE IF NOT EXISTS velocity_seen (name TEXT, event_id TEXT, at REAL, PRIMARY KEY (name, event_id))")
+        import threading
+
+        self._lock = threading.Lock()  # one connection, used from the writer's and the readers' threads
 
     def add(self, entity: Any, event_id: str, event: Mapping[str, Any], event_time: float | None = None) -> bool:
+        with self._lock:
+            return self._add(entity, event_id, event, event_time)
+
+    def read(self, entity: Any, now: float | None = None) -> dict[str, float]:
+        with self._lock:
+            return self._read(entity, now)
+
+    def _add(self, entity: Any, event_id: str, event: Mapping[str, Any], event_time: float | None = None) -> bool:
         t = self.clock() if event_time is None else event_time
         db = self.db
         db.execute("BEGIN IMMEDIATE")
@@ -233,7 +244,7 @@ class SqliteVelocity:
             raise
         return bool(seen)
 
-    def read(self, entity: Any, now: float | None = None) -> dict[str, float]:
+    def _read(self, entity: Any, now: float | None = None) -> dict[str, float]:
         now = self.clock() if now is None else now
         oldest = min(b for _, b in self.spec.buckets(now))
         rows = self.db.execute(
@@ -249,8 +260,9 @@ class SqliteVelocity:
         """Delete buckets older than the longest window and old event ids (Redis expires them itself)."""
         now = self.clock() if now is None else now
         oldest = min(b for _, b in self.spec.buckets(now))
-        n = self.db.execute("DELETE FROM velocity_bucket WHERE name = ? AND bucket < ?", (self.spec.name, oldest)).rowcount
-        self.db.execute("DELETE FROM velocity_seen WHERE name = ? AND at < ?", (self.spec.name, now - self.spec.dedup_s))
+        with self._lock:
+            n = self.db.execute("DELETE FROM velocity_bucket WHERE name = ? AND bucket < ?", (self.spec.name, oldest)).rowcount
+            self.db.execute("DELETE FROM velocity_seen WHERE name = ? AND at < ?", (self.spec.name, now - self.spec.dedup_s))
         return n
 
 
@@ -283,3 +295,165 @@ FRAUD_VELOCITY = VelocitySpec(
         WindowedFeature("amount_sum_24h", 86400, "amount", bucket_s=3600),
     ),
 )
+
+
+# --- the Feast catalogue, the fetch layer and the write path ---------------------------------------
+
+
+def spec_from_view(view) -> VelocitySpec | None:
+    """The windowed counters a Feast feature view declares (field tags `window_s`, `bucket_s`,
+    `window_source`: the event field added, empty for a count); None when it declares none."""
+    features = []
+    for f in view.features:
+        tags = f.tags or {}
+        if "window_s" in tags:
+            try:
+                features.append(WindowedFeature(f.name, int(tags["window_s"]), tags.get("window_source") or None, int(tags.get("bucket_s", 60))))
+            except ValueError as exc:
+                raise FeatureError(f"view {view.name!r}, feature {f.name!r}: window tags {tags}: {exc}") from None
+    return VelocitySpec(view.name, tuple(features)) if features else None
+
+
+def entity_text(entity: Any) -> str:
+    """An entity (a join-key value, or a tuple of them) as it appears in a counter key."""
+    return "|".join(map(str, entity)) if isinstance(entity, tuple) else str(entity)
+
+
+def redis_prefix(project: str) -> str:
+    """The key prefix of a project's counters (beside Feast's own hashes in the same Redis)."""
+    return f"{project}:velocity:"
+
+
+def overlay(view, row, sums: Mapping[str, float], now: float):
+    """`row` (a backends.Row of ViewSpec `view`, or None) with its windowed features replaced by `sums`.
+
+    An entity without a stored row gets one holding only its windowed features, timed `now`; a
+    stored row keeps its own event time, so the view's other (batch-fed) features age as before.
+    """
+    import numpy as np
+
+    from scorestack.features.backends import Row
+
+    if row is None:
+        values = np.zeros(len(view.features), dtype=np.float64)
+        found = np.zeros(len(view.features), dtype=bool)
+        row = Row(values, found, now, tuple(None for _ in view.raw_features))
+    else:
+        row = Row(row.values.copy(), row.found.copy(), row.event_ts, row.raw)
+    for i, name in enumerate(view.features):
+        if name in sums:
+            row.values[i] = sums[name]
+            row.found[i] = True
+    return row
+
+
+def sync_counters(store: "Any", spec: VelocitySpec, *, clock: Clock = time.time):
+    """The counters of a Feast store's online store: SqliteVelocity (in Feast's own SQLite file) or
+    RedisVelocity (in Feast's Redis, under `<project>:velocity:`)."""
+    config = store.config
+    kind = str(getattr(config.online_store, "type", "sqlite"))
+    if kind == "sqlite" or kind.endswith("SqliteOnlineStore"):
+        online = store._get_provider().online_store
+        return SqliteVelocity(str(online._get_db_path(config)), spec, clock=clock)
+    if kind == "redis" or kind.endswith("RedisOnlineStore"):
+        import redis
+        from feast.infra.online_stores.redis import RedisOnlineStore
+
+        nodes, params = RedisOnlineStore._parse_connection_string(config.online_store.connection_string)
+        client = redis.Redis(host=nodes[0]["host"], port=int(nodes[0]["port"]), **params)
+        return RedisVelocity(client, spec, prefix=redis_prefix(config.project), clock=clock)
+    raise FeatureError(f"windowed counters: online store {kind!r} unsupported (sqlite, redis)")
+
+
+class AsyncVelocityWriter:
+    """The fraud path's write-back: `submit` returns at once; each event is added atomically in the
+    background (one worker thread, so the event loop never waits on the store) and its outcome is
+    counted in `scorestack_velocity_writes_total{view, outcome}`: added, duplicate (a retry of an
+    event already added), failed (the store unreachable after one retry with the same event id),
+    dropped (more than `max_pending` writes waiting). Nothing is lost silently.
+    """
+
+    def __init__(self, counters, *, max_pending: int = 1024, registry=None) -> None:
+        from prometheus_client import CollectorRegistry, Counter
+
+        from scorestack.features.metrics import in_process_values
+
+        self.counters = counters
+        self.writer = VelocityWriter(counters)
+        self.max_pending = max_pending
+        self.registry = registry if registry is not None else CollectorRegistry()
+        with in_process_values():
+            self._writes = Counter(
+                "scorestack_velocity_writes_total",
+                "Events added to windowed velocity counters, by outcome (added, duplicate, failed, dropped).",
+                ["view", "outcome"],
+                registry=self.registry,
+            )
+        from concurrent.futures import ThreadPoolExecutor
+
+        import threading
+
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="scorestack-velocity")
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._futures: set = set()
+
+    @classmethod
+    def for_store(cls, store, view: str = "user_txn_velocity", **options: Any) -> "AsyncVelocityWriter":
+        spec = spec_from_view(store.get_feature_view(view))
+        if spec is None:
+            raise FeatureError(f"view {view!r} declares no windowed features (field tags window_s, bucket_s)")
+        return cls(sync_counters(store, spec), **options)
+
+    def _count(self, outcome: str) -> None:
+        from scorestack.features.metrics import in_process_values
+
+        with in_process_values():
+            child = self._writes.labels(self.counters.spec.name, outcome)
+        child.inc()
+
+    def count(self, outcome: str) -> int:
+        value = self.registry.get_sample_value("scorestack_velocity_writes_total", {"view": self.counters.spec.name, "outcome": outcome})
+        return int(value or 0)
+
+    def _add(self, entity: Any, event_id: str, event: Mapping[str, Any], event_time: float | None) -> None:
+        try:
+            self._count(self.writer.add(entity_text(entity), event_id, event, event_time))
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def submit(self, entity: Any, event: Mapping[str, Any], *, event_id: str | None = None, event_time: float | None = None) -> bool:
+        """Queue one event (its time defaults to now, its id to a fresh one); False when dropped."""
+        import uuid
+
+        if self._pending >= self.max_pending:
+            self._count("dropped")
+            return False
+        with self._lock:
+            self._pending += 1
+        t = self.counters.clock() if event_time is None else event_time
+        future = self._executor.submit(self._add, entity, event_id or uuid.uuid4().hex, dict(event), t)
+        self._futures.add(future)
+        future.add_done_callback(self._futures.discard)
+        return True
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        import asyncio
+
+        if self._futures:
+            await asyncio.wait([asyncio.wrap_future(f) for f in list(self._futures)], timeout=timeout_s)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        await self.drain(timeout_s)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def read_windows(counters_by_view: Mapping[str, Any], views: Mapping[str, Any], wanted: Mapping[str, Sequence[Any]], out: dict) -> None:
+    """Replace the windowed features of `out` (backends.Rows) by their sums, read with sync counters
+    (the Feast readers' path: SQLite, or Redis when the direct reader is not used)."""
+    for name, counters in counters_by_view.items():
+        if name in out:
+            now = counters.clock()
+            view = views[name]
+            out[name] = [overlay(view, row, counters.read(entity_text(e), now), now) for e, row in zip(wanted[name], out[name])]

@@ -140,3 +140,77 @@ def test_outage_is_counted_as_failed_and_nothing_is_double_counted(private_redis
     assert writer.add(1, "c", {"amount": 4.0}) == "duplicate"
     assert writer.counts == {"added": 2, "duplicate": 1, "failed": 1}
     assert writer.store.read(1)["txn_count_1h"] == 1.0  # "a" went with the restarted store; "c" once
+
+
+# --- through Feast and the fetch layer -------------------------------------------------------------
+
+
+def _repo(tmp_path, online: str, redis_url: str | None):
+    from scorestack.demo import features as demo_features
+    from scorestack.features import store
+
+    repo = demo_features.init_repo(tmp_path / "repo", online=online, redis_url=redis_url, n_users=20, n_items=5, project="t_velocity")
+    store.apply(repo)
+    store.materialize(repo)
+    return repo
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def repo(request, tmp_path):
+    if request.param == "sqlite":
+        return _repo(tmp_path, "sqlite", None)
+    return _repo(tmp_path, "redis", request.getfixturevalue("private_redis").url)
+
+
+async def test_fetch_reads_window_sums_and_feast_lists_the_counters(repo):
+    import time
+
+    from scorestack import schema
+    from scorestack.features import store
+    from scorestack.features.fetch import FeatureFetcher, FeatureStatus
+    from scorestack.features.velocity import AsyncVelocityWriter, spec_from_view
+
+    fs = store.feature_store(repo)
+    # Feast is the catalogue: the view and its window declarations are in the registry.
+    spec = spec_from_view(fs.get_feature_view("user_txn_velocity"))
+    assert spec.name == FRAUD_VELOCITY.name and set(spec.features) == set(FRAUD_VELOCITY.features)
+    writer = AsyncVelocityWriter.for_store(store.feature_store(repo))
+    now = time.time()
+    for i in range(30):
+        writer.submit(4, {"amount": 2.5}, event_id=f"t{i}")
+    writer.submit(4, {"amount": 100.0}, event_id="old", event_time=now - 7200)  # late: 24 h window only
+    writer.submit(4, {"amount": 1.0}, event_id="t0")  # a retry of t0
+    await writer.drain()
+    assert (writer.count("added"), writer.count("duplicate"), writer.count("failed"), writer.count("dropped")) == (31, 1, 0, 0)
+    index = [schema.FRAUD_FEATURES.index(f) for f in ("txn_count_1h", "amount_sum_1h", "txn_count_24h", "amount_sum_24h")]
+    async with FeatureFetcher(fs, timeout_s=5.0, windows=True) as fetcher:
+        got = await fetcher.fetch("fraud", [{"user_id": 4}, {"user_id": 55_555}])
+        backend = fetcher.backend_of("fraud")
+        before = fetcher.round_trips(backend)
+        await fetcher.fetch("fraud", {"user_id": 4})
+        trips = fetcher.round_trips(backend) - before
+    assert got.values[0, index].tolist() == [30.0, 75.0, 31.0, 175.0]
+    assert (got.status[0, index] == FeatureStatus.PRESENT).all()
+    # A user the batch never saw: no stored row, windows of zero, read as present (not defaulted).
+    assert got.values[1, index].tolist() == [0.0, 0.0, 0.0, 0.0] and (got.status[1, index] == FeatureStatus.PRESENT).all()
+    assert trips == 1  # the windows come in the same round trip as the rest of the view
+    # windows=False and Feast's own read: the stored (materialized) row, untouched by the events.
+    feast_row = fs.get_online_features(features=["user_txn_velocity:txn_count_1h"], entity_rows=[{"user_id": 4}]).to_dict()
+    async with FeatureFetcher(fs, timeout_s=5.0) as plain:
+        stored = await plain.fetch("fraud", {"user_id": 4})
+    assert stored.values[0, index[0]] == pytest.approx(feast_row["txn_count_1h"][0])
+    await writer.close()
+
+
+async def test_write_back_under_a_stopped_store_is_counted_failed(tmp_path, private_redis):
+    from scorestack.features import store
+    from scorestack.features.velocity import AsyncVelocityWriter
+
+    repo = _repo(tmp_path, "redis", private_redis.url)
+    writer = AsyncVelocityWriter.for_store(store.feature_store(repo))
+    private_redis.stop()
+    for i in range(3):
+        assert writer.submit(1, {"amount": 1.0}, event_id=f"x{i}")
+    await writer.drain(30)
+    assert writer.count("failed") == 3 and writer.count("added") == 0
+    await writer.close()

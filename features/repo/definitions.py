@@ -127,13 +127,34 @@ user_txn_velocity_push = PushSource(name="user_txn_velocity_push", batch_source=
 PUSH_SOURCES = {"user_txn_velocity": user_txn_velocity_push}
 
 
+# Exact windowed counters (scorestack.features.velocity): feature -> (window s, bucket s, the event
+# field added, "" for a count). Each scored transaction adds itself atomically to the bucket of its
+# time; a fetcher built with `windows=True` reads the sum of the window's buckets in the same round
+# trip as the rest of the view. Feast's own reads return the row last stored (materialized from
+# the batch source or pushed by a stream processor), not the live sums.
+WINDOWS = {
+    "txn_count_1h": (3600, 60, ""),
+    "amount_sum_1h": (3600, 60, "amount"),
+    "txn_count_24h": (86400, 3600, ""),
+    "amount_sum_24h": (86400, 3600, "amount"),
+}
+
+
+def _tags(feature: str) -> dict[str, str]:
+    tags = {"default": repr(DEFAULTS[feature])}
+    if feature in WINDOWS:
+        window_s, bucket_s, source = WINDOWS[feature]
+        tags.update(window_s=str(window_s), bucket_s=str(bucket_s), window_source=source)
+    return tags
+
+
 def _view(name: str) -> FeatureView:
     entity, features = schema.FEATURE_VIEWS[name]
     return FeatureView(
         name=name,
         entities=[_ENTITIES[entity]],
         ttl=VIEW_TTL[name],
-        schema=[Field(name=f, dtype=Float32, tags={"default": repr(DEFAULTS[f])}) for f in features],
+        schema=[Field(name=f, dtype=Float32, tags=_tags(f)) for f in features],
         source=PUSH_SOURCES.get(name, _SOURCES[entity]),
         online=True,
         tags={"cache_ttl_s": repr(CACHE_TTL_S[name])},
