@@ -159,7 +159,7 @@ def _candidate(
         rep.parameters = vision_passes.parameters(model.model) if model.family == "torch-vision" else None
         cand = replace(cand, outputs=v.outputs)
     else:
-        v = verify.verify(execute, reference, holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows)
+        v = verify.verify(execute, reference, holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows, spec.relative_tolerance)
     rep.verified, rep.max_abs_diff = v.verified, v.max_abs_diff
     rep.label_agreement, rep.rank_agreement = v.label_agreement, v.rank_agreement
     rep.rows_batch1, rep.rows_large = v.rows_batch1, v.rows_large

@@ -101,9 +101,9 @@ def _serve_check(spec: ModelSpec, model: SourceModel, holdout: Holdout, chosen: 
     if spec.is_vision and chosen.outputs is not None:
         # What Triton serves must be what was verified: the selected candidate's own outputs
         # in the server environment (an INT8 model is compared with itself, not with fp32).
-        return check_served(folder.parent, spec.name, _lookup(holdout.X, chosen.outputs), holdout, spec.task, spec.verification.tolerance, rows=len(holdout))
+        return check_served(folder.parent, spec.name, _lookup(holdout.X, chosen.outputs), holdout, spec.task, spec.verification.tolerance, rows=len(holdout), relative=spec.relative_tolerance)
     edge_sizes = sorted({n for b in art.bands for n in (b.min_rows, b.max_rows)})
-    return check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance, request_sizes=edge_sizes)
+    return check_served(folder.parent, spec.name, model.predict, holdout, spec.task, spec.verification.tolerance, request_sizes=edge_sizes, relative=spec.relative_tolerance)
 
 
 def _measured_batching(spec: ModelSpec, art, settings, n_out: int, native_plan, folder: Path, version: int, holdout: Holdout, serve_check: bool):

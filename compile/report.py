@@ -159,6 +159,7 @@ class CompileReport(_Model):
     source: SourceReport
     holdout_rows: int
     tolerance: float
+    relative_tolerance: float = 0.0  # a value matches where |Δ| <= tolerance + relative_tolerance * |source|
     batch_sizes: list[int]
     batch_weights: dict[str, float]
     latency_budget_ms: float
@@ -232,6 +233,7 @@ def build_report(
         ),
         holdout_rows=len(holdout),
         tolerance=spec.verification.tolerance,
+        relative_tolerance=spec.relative_tolerance,
         batch_sizes=list(sizes),
         batch_weights={str(b): round(w, 4) for b, w in weights.items()},
         latency_budget_ms=spec.serving.latency_budget_ms,
@@ -287,7 +289,8 @@ def render_markdown(r: CompileReport) -> str:
         f"artifact `{r.version}/{r.selected.artifact}`, {r.selected.threads} thread(s)); weighted latency {r.selected.weighted_latency_us:.1f} µs",
         f"- version: {r.version} (`{r.version}/`, digests in `{r.version}/SHA256SUMS`)",
         f"- verification: {r.holdout_rows} held-out rows as one joined batch of mixed-size requests and a sample at batch 1, "
-        f"through the model runtime in {_env_line(r.verified_in)}; tolerance |Δ| ≤ {r.tolerance:g}",
+        f"through the model runtime in {_env_line(r.verified_in)}; tolerance |Δ| ≤ {r.tolerance:g}"
+        + (f" + {r.relative_tolerance:g}·|source|" if r.relative_tolerance else ""),
         f"- serving check: {_serve_check_line(r.serve_check)}",
         *(f"- retired version {v.version}: {v.reason}; moved to `{v.moved_to}`" for v in r.retired),
         f"- machine: {r.machine.get('cpus')} CPUs, {r.machine.get('platform')}",

@@ -91,8 +91,8 @@ def dispatch_candidate(
     def execute(X, sizes):
         return worker.execute(key, X, sizes)
 
-    v = verify.verify(execute, model.predict(holdout.X), holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows)
-    edges = verify.verify_bands(execute, model.predict, holdout, [(b.min_rows, b.max_rows) for b in plan.bands], spec.task, spec.verification.tolerance)
+    v = verify.verify(execute, model.predict(holdout.X), holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows, spec.relative_tolerance)
+    edges = verify.verify_bands(execute, model.predict, holdout, [(b.min_rows, b.max_rows) for b in plan.bands], spec.task, spec.verification.tolerance, spec.relative_tolerance)
     diffs = [d for d in (v.max_abs_diff, edges.max_abs_diff) if d is not None]
     rep.max_abs_diff = max(diffs) if diffs else None
     rep.edge_sizes = edges.sizes

@@ -19,7 +19,7 @@ from scorestack.errors import ScorestackError
 
 from .model import Holdout
 from .report import ServeCheckReport
-from .verify import label_agreement, sample_indices
+from .verify import label_agreement, miss_text, needed_tolerance, sample_indices
 
 REJECTION_RETRIES = 5
 BATCH1_ROWS = 16  # rows sent one per request; the rest go in requests of max_batch_size rows
@@ -35,6 +35,7 @@ def check_served(
     rows: int = 512,
     ready_timeout_s: float = 120.0,
     request_sizes: list[int] | None = None,
+    relative: float = 0.0,
 ) -> ServeCheckReport:
     """Start a local Triton on `repository` with only `name`, send held-out rows over gRPC, compare with `predict`.
 
@@ -65,8 +66,9 @@ def check_served(
     if got.shape != want.shape:
         return ServeCheckReport(status="failed", rows=len(sent), reason=f"served output shape {got.shape}, expected {want.shape}")
     diff = float(np.abs(got - want).max())
-    if not np.isfinite(got).all() or diff > tolerance:
-        return ServeCheckReport(status="failed", rows=len(sent), max_abs_diff=diff, reason=f"served outputs differ from the source model: max |Δ| {diff:.3g} > tolerance {tolerance:g}")
+    need = needed_tolerance(want, got, relative)
+    if not np.isfinite(got).all() or need > tolerance:
+        return ServeCheckReport(status="failed", rows=len(sent), max_abs_diff=diff, reason=f"served outputs differ from the source model: {miss_text(diff, need, tolerance, relative)}")
     labels = label_agreement(task, want, got, tolerance) if task == "image-classification" else None
     if labels is not None and labels < 1.0:
         return ServeCheckReport(status="failed", rows=len(sent), max_abs_diff=diff, label_agreement=labels, reason=f"served top classes differ from the verified ones on {1 - labels:.2%} of the images")

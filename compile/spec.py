@@ -202,8 +202,15 @@ class OptimizationSpec(_Strict):
     student: StudentSpec | None = None  # image-classification
 
 
+# Relative tolerance per task when the spec gives none: a candidate passes where
+# |candidate - source| <= tolerance + relative_tolerance * |source|. Regression and ranking scores
+# can be in the hundreds, where float32 rounding alone exceeds an absolute 1e-5; probabilities lie in [0, 1].
+DEFAULT_RELATIVE_TOLERANCE = {"regression": 1e-5, "ranking": 1e-5, "binary": 0.0, "multiclass": 0.0, "image-classification": 0.0}
+
+
 class VerificationSpec(_Strict):
-    tolerance: PositiveFloat = 1e-5
+    tolerance: PositiveFloat = 1e-5  # absolute
+    relative_tolerance: float | None = Field(default=None, ge=0)  # None: the task's default (DEFAULT_RELATIVE_TOLERANCE)
     sample_rows: PositiveInt = 256  # rows checked one at a time (batch 1)
     # image-classification: the largest accuracy drop (a fraction: 0.005 = 0.5 percentage points) on the
     # held-out images a lossy candidate (INT8, pruned, distilled) may have against the source model.
@@ -290,10 +297,17 @@ class ModelSpec(_Strict):
     def is_vision(self) -> bool:
         return self.task == "image-classification"
 
+    @property
+    def relative_tolerance(self) -> float:
+        """The relative tolerance verification uses: the spec's, or the task's default."""
+        given = self.verification.relative_tolerance
+        return DEFAULT_RELATIVE_TOLERANCE.get(self.task, 0.0) if given is None else given
+
 
 # Field-specific advice appended to validation messages: the fix, not just the fault.
 _FIXES = {
     "verification.tolerance": "set a positive number such as 1e-5",
+    "verification.relative_tolerance": "set a number >= 0 such as 1e-5 (|Δ| may be tolerance + relative_tolerance * |source|), or omit it for the task's default",
     "verification.sample_rows": "set a positive row count such as 256",
     "source.format": "use one of xgboost-json, xgboost-ubj, joblib, pickle (tabular), torch-module, torchscript, onnx-model (image models)",
     "source.module": "name the model class as package.module:ClassName (importable in this environment)",

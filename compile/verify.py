@@ -33,6 +33,34 @@ class Verification:
     outputs: np.ndarray | None = None  # image models: the candidate's outputs on every held-out row (the serving check's reference)
 
 
+def needed_tolerance(ref: np.ndarray, out: np.ndarray, relative: float) -> float:
+    """The smallest absolute tolerance under which `out` matches `ref`, given the relative one:
+    max(|out - ref| - relative * |ref|), at least 0."""
+    if ref.size == 0:
+        return 0.0
+    return float(max(0.0, (np.abs(out - ref) - relative * np.abs(ref)).max()))
+
+
+def tolerance_text(tolerance: float, relative: float) -> str:
+    return f"{tolerance:g}" if relative == 0 else f"{tolerance:g} + {relative:g}·|source|"
+
+
+def miss_text(diff: float, need: float, tolerance: float, relative: float) -> str:
+    """Why a comparison failed, with the setting and the value that would have passed."""
+    return (
+        f"max |Δ| {diff:.3g} > tolerance {tolerance_text(tolerance, relative)}; "
+        f"passes with verification.tolerance: {_round_up(need)} (relative_tolerance {relative:g})"
+    )
+
+
+def _round_up(x: float) -> str:
+    """`x` rounded up to two significant digits, as a spec would write it."""
+    if x <= 0:
+        return "0"
+    e = int(np.floor(np.log10(x))) - 1
+    return f"{np.ceil(x / 10.0**e) * 10.0**e:.2g}"
+
+
 def sample_indices(n: int, k: int) -> np.ndarray:
     """Evenly spread row indices (deterministic, so reruns check the same rows)."""
     return np.unique(np.linspace(0, n - 1, min(k, n)).astype(np.int64))
@@ -97,8 +125,12 @@ def _run(execute: Execute, X: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, 
     return np.concatenate(ones), big
 
 
-def verify(execute: Execute, reference: np.ndarray, holdout: Holdout, task: str, tolerance: float, sample_rows: int) -> Verification:
-    """Run the candidate one row per call on a sample, and on every row as one joined batch of mixed-size requests; compare with `reference`."""
+def verify(
+    execute: Execute, reference: np.ndarray, holdout: Holdout, task: str, tolerance: float, sample_rows: int, relative: float = 0.0
+) -> Verification:
+    """Run the candidate one row per call on a sample, and on every row as one joined batch of mixed-size requests; compare with `reference`.
+
+    A value matches where |candidate - reference| <= tolerance + relative * |reference|."""
     X = holdout.X
     idx = sample_indices(len(X), sample_rows)
     try:
@@ -114,6 +146,7 @@ def verify(execute: Execute, reference: np.ndarray, holdout: Holdout, task: str,
     big = big.astype(np.float64)
     one = one.astype(np.float64)
     diff = float(max(np.abs(one - ref[idx]).max(), np.abs(big - ref).max()))
+    need = max(needed_tolerance(ref[idx], one, relative), needed_tolerance(ref, big, relative))
     labels = label_agreement(task, ref, big, tolerance)
     labels_one = label_agreement(task, ref[idx], one, tolerance)
     if labels is not None and labels_one is not None:
@@ -122,8 +155,8 @@ def verify(execute: Execute, reference: np.ndarray, holdout: Holdout, task: str,
     if task == "ranking" and holdout.groups is not None:
         ranks = rank_agreement(ref, big, holdout.groups, tolerance)
     reasons = []
-    if diff > tolerance:
-        reasons.append(f"max |Δ| {diff:.3g} > tolerance {tolerance:g}")
+    if need > tolerance:
+        reasons.append(miss_text(diff, need, tolerance, relative))
     if labels is not None and labels < 1.0:
         reasons.append(f"label agreement {labels:.2%} < 100%")
     if ranks is not None and ranks < 1.0:
@@ -191,7 +224,8 @@ class BandCheck:
 
 
 def verify_bands(
-    execute: Execute, predict: Callable[[np.ndarray], np.ndarray], holdout: Holdout, bands: list[tuple[int, int]], task: str, tolerance: float
+    execute: Execute, predict: Callable[[np.ndarray], np.ndarray], holdout: Holdout, bands: list[tuple[int, int]], task: str, tolerance: float,
+    relative: float = 0.0,
 ) -> BandCheck:
     """Send one request at each band's first and last batch size, so every format of a dispatch runs at its edges.
 
@@ -210,8 +244,10 @@ def verify_bands(
         if out.shape != want.shape or not np.isfinite(out).all():
             return BandCheck(False, sizes, None, f"batch {n}: output shape {out.shape} (expected {want.shape}) or NaN")
         diff = float(np.abs(out.astype(np.float64) - want).max())
+        need = needed_tolerance(want, out.astype(np.float64), relative)
         worst = max(worst, diff)
         labels = label_agreement(task, want, out, tolerance)
-        if diff > tolerance or (labels is not None and labels < 1.0):
-            return BandCheck(False, sizes, worst, f"batch {n}: max |Δ| {diff:.3g} (tolerance {tolerance:g}), label agreement {labels}")
+        if need > tolerance or (labels is not None and labels < 1.0):
+            why = miss_text(diff, need, tolerance, relative) if need > tolerance else f"max |Δ| {diff:.3g}"
+            return BandCheck(False, sizes, worst, f"batch {n}: {why}, label agreement {labels}")
     return BandCheck(True, sizes, worst)

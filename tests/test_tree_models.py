@@ -1,0 +1,68 @@
+"""Tree models users bring: tolerances that fit the task (absolute + relative), and refusals that name the setting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scorestack.compile import verify
+from scorestack.compile.model import Holdout
+from scorestack.compile.spec import DEFAULT_RELATIVE_TOLERANCE
+
+
+def _holdout(X: np.ndarray) -> Holdout:
+    return Holdout(X=X, y=None, groups=None)
+
+
+def _execute_with(outputs: np.ndarray):
+    """A candidate whose outputs are fixed per row: rows are found by their first feature (the row index)."""
+
+    def execute(X: np.ndarray, sizes: list[int]):
+        return outputs[X[:, 0].astype(np.int64)], {}
+
+    return execute
+
+
+def test_regression_in_the_hundreds_passes_with_the_relative_default():
+    # float32 rounding of targets up to ±490: |Δ| up to ~2e-5 (a few ulps), more than the absolute 1e-5.
+    rng = np.random.default_rng(0)
+    ref = rng.uniform(-490, 490, size=(300, 1))
+    cand = ref * (1 + 4e-8)
+    X = np.arange(300, dtype=np.float32)[:, None]
+    rel = DEFAULT_RELATIVE_TOLERANCE["regression"]
+    assert rel == 1e-5
+    v = verify.verify(_execute_with(cand), ref, _holdout(X), "regression", 1e-5, 32, rel)
+    assert v.verified, v.reason
+    assert v.max_abs_diff > 1e-5
+    # Absolute only: refused, with the value that would have passed.
+    v = verify.verify(_execute_with(cand), ref, _holdout(X), "regression", 1e-5, 32, 0.0)
+    assert not v.verified
+    need = verify.needed_tolerance(ref, cand, 0.0)
+    assert v.reason.startswith(f"max |Δ| {v.max_abs_diff:.3g} > tolerance 1e-05; passes with verification.tolerance: ")
+    suggested = float(v.reason.split("verification.tolerance: ")[1].split(" ")[0])
+    assert need <= suggested <= need * 1.1
+    # The suggestion does pass.
+    assert verify.verify(_execute_with(cand), ref, _holdout(X), "regression", suggested, 32, 0.0).verified
+
+
+def test_relative_tolerance_does_not_excuse_large_errors():
+    ref = np.linspace(-400, 400, 200)[:, None]
+    cand = ref + 0.01
+    X = np.arange(200, dtype=np.float32)[:, None]
+    v = verify.verify(_execute_with(cand), ref, _holdout(X), "regression", 1e-5, 16, 1e-5)
+    assert not v.verified
+    assert "tolerance 1e-05 + 1e-05·|source|" in v.reason
+    # Near zero the relative part adds nothing: 0.01 is needed in absolute terms.
+    assert "passes with verification.tolerance: 0.01 " in v.reason
+
+
+@pytest.mark.parametrize("task, expected", [("binary", 0.0), ("multiclass", 0.0), ("ranking", 1e-5), ("regression", 1e-5)])
+def test_spec_resolves_the_task_default_or_the_given_value(task, expected):
+    from scorestack.compile.spec import ModelSpec
+
+    base = {"name": "m", "source": {"format": "joblib", "path": "m.joblib", "trusted": True}, "task": task, "inputs": {"features": ["a"]}, "holdout": "h.npz"}
+    assert ModelSpec.model_validate(base).relative_tolerance == expected
+    given = ModelSpec.model_validate({**base, "verification": {"relative_tolerance": 3e-4}})
+    assert given.relative_tolerance == 3e-4
+    with pytest.raises(ValueError):
+        ModelSpec.model_validate({**base, "verification": {"relative_tolerance": -1}})
