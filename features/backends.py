@@ -409,7 +409,8 @@ class DirectRedisBackend(Backend):
         n_rows = sum(len(ids) for _, ids in plan)
         windowed = []
         if self.windows:
-            # The windows' buckets: more HMGETs in the same pipeline, the same round trip.
+            # The windows: one EVALSHA per entity (the sums are made server-side) in the same
+            # pipeline, the same round trip.
             from scorestack.features.resp import pack
             from scorestack.features.velocity import entity_text
 
@@ -417,13 +418,21 @@ class DirectRedisBackend(Backend):
             for name, ids in wanted.items():
                 counters = self.windows.get(name)
                 if counters is not None:
-                    for entity in dict.fromkeys(ids):
-                        reads = counters.read_commands(entity_text(entity), now)
-                        for key, fields in reads:
-                            commands.append(pack("HMGET", key, *fields))
-                        windowed.append((name, entity, counters, len(reads)))
-        n_windows = sum(n for *_, n in windowed)
-        replies = await self._pipeline(b"".join(commands), n_rows + n_windows)
+                    args = counters.read_args(now)
+                    for entity in ids:
+                        commands.append(pack("EVALSHA", counters.read_sha, 1, counters.key(entity_text(entity)), *args))
+                        windowed.append((name, entity, counters))
+        packed = b"".join(commands)
+        try:
+            replies = await self._pipeline(packed, n_rows + len(windowed))
+        except Exception as exc:
+            if not windowed or "NOSCRIPT" not in str(exc):
+                raise
+            # A restarted Redis forgot the read script: load it, and read again.
+            from scorestack.features.velocity import READ_SCRIPT
+
+            await self.client.script_load(READ_SCRIPT)
+            replies = await self._pipeline(packed, n_rows + len(windowed))
 
         out: Rows = {}
         offset = 0
@@ -457,12 +466,9 @@ class DirectRedisBackend(Backend):
         if windowed:
             from scorestack.features.velocity import overlay
 
-            offset = n_rows
             sums: dict[tuple[str, Entity], dict[str, float]] = {}
-            for name, entity, counters, n in windowed:
-                got = counters.sums_from(now, replies[offset : offset + n])
-                offset += n
-                sums[(name, entity)] = got
+            for (name, entity, counters), reply in zip(windowed, replies[n_rows:]):
+                sums[(name, entity)] = counters.sums_from(reply)
             for name in {name for name, *_ in windowed}:
                 view = self.views[name]
                 out[name] = [overlay(view, row, sums[(name, e)], now) for e, row in zip(wanted[name], out[name])]

@@ -68,8 +68,9 @@ def test_late_event_lands_in_its_own_bucket_and_retries_do_not_double_count(coun
     clock.t = T0 + 7200
     events = [(T0 + 7100, {"amount": 1.0}), (T0 + 7200 - 3000, {"amount": 2.0}), (T0 + 7200 - 5000, {"amount": 4.0})]
     for i, (t, event) in enumerate(events):
-        assert store.add(3, f"late{i}", event, event_time=t)
-    assert not store.add(3, "late0", events[0][1], event_time=events[0][0])  # a retry of the same event
+        assert store.add(3, f"late{i}", event, event_time=t) == "added"
+    assert store.add(3, "late0", events[0][1], event_time=events[0][0]) == "duplicate"  # a retry of the same event
+    assert store.add(3, "ancient", {"amount": 9.0}, event_time=clock.t - 2 * 86400) == "expired"  # older than every window
     got = store.read(3)
     assert got == FRAUD_VELOCITY.reference(clock.t, events)
     # The 5000 s-old event is outside the hour, inside the day.
@@ -138,7 +139,7 @@ def test_outage_is_counted_as_failed_and_nothing_is_double_counted(private_redis
     private_redis.start()  # a restart without persistence: the store starts empty
     assert writer.add(1, "c", {"amount": 4.0}) == "added"
     assert writer.add(1, "c", {"amount": 4.0}) == "duplicate"
-    assert writer.counts == {"added": 2, "duplicate": 1, "failed": 1}
+    assert writer.counts == {"added": 2, "duplicate": 1, "expired": 0, "failed": 1}
     assert writer.store.read(1)["txn_count_1h"] == 1.0  # "a" went with the restarted store; "c" once
 
 

@@ -133,8 +133,8 @@ PUSH_SOURCES = {"user_txn_velocity": user_txn_velocity_push}
 # trip as the rest of the view. Feast's own reads return the row last stored (materialized from
 # the batch source or pushed by a stream processor), not the live sums.
 WINDOWS = {
-    "txn_count_1h": (3600, 60, ""),
-    "amount_sum_1h": (3600, 60, "amount"),
+    "txn_count_1h": (3600, 300, ""),
+    "amount_sum_1h": (3600, 300, "amount"),
     "txn_count_24h": (86400, 3600, ""),
     "amount_sum_24h": (86400, 3600, "amount"),
 }
