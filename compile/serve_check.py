@@ -19,7 +19,7 @@ from scorestack.errors import ScorestackError
 
 from .model import Holdout
 from .report import ServeCheckReport
-from .verify import label_agreement, miss_text, needed_tolerance, sample_indices
+from .verify import label_agreement, miss_text, needed_relative, needed_tolerance, sample_indices
 
 REJECTION_RETRIES = 5
 BATCH1_ROWS = 16  # rows sent one per request; the rest go in requests of max_batch_size rows
@@ -68,7 +68,7 @@ def check_served(
     diff = float(np.abs(got - want).max())
     need = needed_tolerance(want, got, relative)
     if not np.isfinite(got).all() or need > tolerance:
-        return ServeCheckReport(status="failed", rows=len(sent), max_abs_diff=diff, reason=f"served outputs differ from the source model: {miss_text(diff, need, tolerance, relative)}")
+        return ServeCheckReport(status="failed", rows=len(sent), max_abs_diff=diff, reason=f"served outputs differ from the source model: {miss_text(diff, need, tolerance, relative, needed_relative(want, got, tolerance))}")
     labels = label_agreement(task, want, got, tolerance) if task == "image-classification" else None
     if labels is not None and labels < 1.0:
         return ServeCheckReport(status="failed", rows=len(sent), max_abs_diff=diff, label_agreement=labels, reason=f"served top classes differ from the verified ones on {1 - labels:.2%} of the images")

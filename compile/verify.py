@@ -41,16 +41,32 @@ def needed_tolerance(ref: np.ndarray, out: np.ndarray, relative: float) -> float
     return float(max(0.0, (np.abs(out - ref) - relative * np.abs(ref)).max()))
 
 
+def needed_relative(ref: np.ndarray, out: np.ndarray, tolerance: float) -> float | None:
+    """The smallest relative tolerance under which `out` matches `ref`, given the absolute one; None
+    where no relative tolerance would do (a miss where the reference is 0)."""
+    excess = np.abs(out - ref) - tolerance
+    miss = excess > 0
+    if not miss.any():
+        return 0.0
+    scale = np.abs(ref[miss])
+    if (scale == 0).any():
+        return None
+    return float((excess[miss] / scale).max())
+
+
 def tolerance_text(tolerance: float, relative: float) -> str:
     return f"{tolerance:g}" if relative == 0 else f"{tolerance:g} + {relative:g}·|source|"
 
 
-def miss_text(diff: float, need: float, tolerance: float, relative: float) -> str:
-    """Why a comparison failed, with the setting and the value that would have passed."""
-    return (
+def miss_text(diff: float, need: float, tolerance: float, relative: float, need_relative: float | None = None) -> str:
+    """Why a comparison failed, with the settings and the values that would have passed."""
+    text = (
         f"max |Δ| {diff:.3g} > tolerance {tolerance_text(tolerance, relative)}; "
         f"passes with verification.tolerance: {_round_up(need)} (relative_tolerance {relative:g})"
     )
+    if need_relative is not None and need_relative > relative:
+        text += f" or verification.relative_tolerance: {_round_up(need_relative)} (tolerance {tolerance:g})"
+    return text
 
 
 def _round_up(x: float) -> str:
@@ -156,7 +172,9 @@ def verify(
         ranks = rank_agreement(ref, big, holdout.groups, tolerance)
     reasons = []
     if need > tolerance:
-        reasons.append(miss_text(diff, need, tolerance, relative))
+        rel_one, rel_big = needed_relative(ref[idx], one, tolerance), needed_relative(ref, big, tolerance)
+        need_rel = None if rel_one is None or rel_big is None else max(rel_one, rel_big)
+        reasons.append(miss_text(diff, need, tolerance, relative, need_rel))
     if labels is not None and labels < 1.0:
         reasons.append(f"label agreement {labels:.2%} < 100%")
     if ranks is not None and ranks < 1.0:
@@ -248,6 +266,6 @@ def verify_bands(
         worst = max(worst, diff)
         labels = label_agreement(task, want, out, tolerance)
         if need > tolerance or (labels is not None and labels < 1.0):
-            why = miss_text(diff, need, tolerance, relative) if need > tolerance else f"max |Δ| {diff:.3g}"
+            why = miss_text(diff, need, tolerance, relative, needed_relative(want, out.astype(np.float64), tolerance)) if need > tolerance else f"max |Δ| {diff:.3g}"
             return BandCheck(False, sizes, worst, f"batch {n}: {why}, label agreement {labels}")
     return BandCheck(True, sizes, worst)

@@ -41,8 +41,10 @@ def test_regression_in_the_hundreds_passes_with_the_relative_default():
     assert v.reason.startswith(f"max |Δ| {v.max_abs_diff:.3g} > tolerance 1e-05; passes with verification.tolerance: ")
     suggested = float(v.reason.split("verification.tolerance: ")[1].split(" ")[0])
     assert need <= suggested <= need * 1.1
-    # The suggestion does pass.
+    # The suggestions do pass.
     assert verify.verify(_execute_with(cand), ref, _holdout(X), "regression", suggested, 32, 0.0).verified
+    suggested_rel = float(v.reason.split("verification.relative_tolerance: ")[1].split(" ")[0])
+    assert verify.verify(_execute_with(cand), ref, _holdout(X), "regression", 1e-5, 32, suggested_rel).verified
 
 
 def test_relative_tolerance_does_not_excuse_large_errors():
@@ -54,6 +56,10 @@ def test_relative_tolerance_does_not_excuse_large_errors():
     assert "tolerance 1e-05 + 1e-05·|source|" in v.reason
     # Near zero the relative part adds nothing: 0.01 is needed in absolute terms.
     assert "passes with verification.tolerance: 0.01 " in v.reason
+    # Where the source is 0 no relative tolerance can pass: only the absolute one is suggested.
+    ref0 = np.zeros((10, 1))
+    v = verify.verify(_execute_with(ref0 + 1e-3), ref0, _holdout(X[:10]), "regression", 1e-5, 4, 1e-5)
+    assert "relative_tolerance:" not in v.reason and "verification.tolerance: 0.001 " in v.reason
 
 
 @pytest.mark.parametrize("task, expected", [("binary", 0.0), ("multiclass", 0.0), ("ranking", 1e-5), ("regression", 1e-5)])
@@ -66,3 +72,32 @@ def test_spec_resolves_the_task_default_or_the_given_value(task, expected):
     assert given.relative_tolerance == 3e-4
     with pytest.raises(ValueError):
         ModelSpec.model_validate({**base, "verification": {"relative_tolerance": -1}})
+
+
+@pytest.mark.slow
+def test_regression_in_the_hundreds_compiles_and_is_served_within_the_stated_tolerance(tmp_path):
+    """The spec a user writes first (no verification block) for a GradientBoostingRegressor with targets
+    up to ±490: verified under the regression default, served by a real Triton and checked over gRPC."""
+    import joblib
+    from sklearn.ensemble import GradientBoostingRegressor
+
+    from scorestack.compile import compile_model
+
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(900, 6)).astype(np.float32)
+    y = X @ np.array([120.0, -80.0, 60.0, 30.0, -20.0, 10.0]) + 5 * rng.normal(size=900)
+    y = y / np.abs(y).max() * 490
+    model = GradientBoostingRegressor(n_estimators=40, max_depth=3, random_state=0).fit(X[:600], y[:600])
+    joblib.dump(model, tmp_path / "gbr.joblib")
+    np.savez(tmp_path / "holdout.npz", X=X[600:], y=y[600:])
+    (tmp_path / "gbr.yaml").write_text(
+        "name: gbr\nsource: {path: gbr.joblib, format: joblib, trusted: true}\ntask: regression\n"
+        "inputs: {features: [a, b, c, d, e, f]}\nholdout: holdout.npz\nformats: [onnx, native]\n"
+    )
+    report = compile_model(tmp_path / "gbr.yaml", tmp_path / "repo")
+    assert (report.tolerance, report.relative_tolerance) == (1e-5, 1e-5)
+    by = {c.format: c for c in report.candidates}
+    assert by["onnx"].verified and by["native"].verified
+    assert by["onnx"].max_abs_diff <= 1e-5 + 1e-5 * 490
+    assert report.serve_check.status == "passed"
+    assert report.serve_check.max_abs_diff <= 1e-5 + 1e-5 * 490
