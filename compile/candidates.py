@@ -130,7 +130,7 @@ def _candidate(
         # A skipped format is reported once, for the source model, not again for each variant.
         return None if variant else CandidateReport(format=label, status="skipped", reason=str(exc))
     except Exception as exc:  # a converter's failure rejects that candidate, not the compile
-        return CandidateReport(format=label, status="failed", variant=variant or None, reason=f"conversion failed: {type(exc).__name__}: {exc}"[:500], convert_s=time.perf_counter() - t0)
+        return CandidateReport(format=label, status="failed", variant=variant or None, reason=f"conversion failed: {type(exc).__name__}: {exc}"[:500], convert_s=round(time.perf_counter() - t0, 3))
     rep = CandidateReport(
         format=label,
         status="rejected",
@@ -148,6 +148,7 @@ def _candidate(
         return rep
     key = worker_key(label, spec.threads[0])
     execute = lambda X, sizes: worker.execute(key, X, sizes)
+    t_verify = time.perf_counter()
     if spec.is_vision and source_accuracy is not None:
         v = verify.verify_images(
             execute, reference, holdout, exact=art.exact, tolerance=spec.verification.tolerance, source_accuracy=source_accuracy,
@@ -160,6 +161,7 @@ def _candidate(
         cand = replace(cand, outputs=v.outputs)
     else:
         v = verify.verify(execute, reference, holdout, spec.task, spec.verification.tolerance, spec.verification.sample_rows, spec.relative_tolerance)
+    rep.verify_s = round(time.perf_counter() - t_verify, 3)
     rep.verified, rep.max_abs_diff = v.verified, v.max_abs_diff
     rep.label_agreement, rep.rank_agreement = v.label_agreement, v.rank_agreement
     rep.rows_batch1, rep.rows_large = v.rows_batch1, v.rows_large

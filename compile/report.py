@@ -31,6 +31,7 @@ class CandidateReport(_Model):
     artifact_bytes: int | None = None
     convert_s: float | None = None
     load_s: float | None = None  # loading in the server environment, through the model runtime
+    verify_s: float | None = None  # verification on the held-out rows
     max_abs_diff: float | None = None
     label_agreement: float | None = None
     rank_agreement: float | None = None
@@ -321,14 +322,16 @@ def render_markdown(r: CompileReport) -> str:
         "",
         "Median µs per call, measured in one process in interleaved rounds; weights " + ", ".join(f"batch {k}: {v:.2f}" for k, v in r.batch_weights.items()) + ".",
         "",
-        "| format | status | max abs diff | threads | " + " | ".join(f"batch {b} µs" for b in bs) + " | weighted µs | reason |",
-        "|---|---|---|---|" + "---|" * len(bs) + "---|---|",
+        "| format | status | max abs diff | threads | " + " | ".join(f"batch {b} µs" for b in bs) + " | weighted µs | build + load + verify s | reason |",
+        "|---|---|---|---|" + "---|" * len(bs) + "---|---|---|",
     ]
     for c in r.candidates:
         diff = "–" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
         lat = " | ".join(f"{c.latency_us[b]:.1f}" if b in c.latency_us else "–" for b in bs)
         w = "–" if c.weighted_latency_us is None else f"{c.weighted_latency_us:.1f}"
-        lines.append(f"| {c.format} | {c.status} | {diff} | {c.threads or '–'} | {lat} | {w} | {c.reason or ''} |")
+        spent = [t for t in (c.convert_s, c.load_s, c.verify_s) if t is not None]
+        took = f"{sum(spent):.1f}" if spent else "–"
+        lines.append(f"| {c.format} | {c.status} | {diff} | {c.threads or '–'} | {lat} | {w} | {took} | {c.reason or ''} |")
     if any(c.accuracy is not None for c in r.candidates):
         lines += [
             "",

@@ -99,5 +99,6 @@ def test_regression_in_the_hundreds_compiles_and_is_served_within_the_stated_tol
     by = {c.format: c for c in report.candidates}
     assert by["onnx"].verified and by["native"].verified
     assert by["onnx"].max_abs_diff <= 1e-5 + 1e-5 * 490
+    assert all(by[f].convert_s is not None and by[f].load_s is not None and by[f].verify_s is not None for f in ("onnx", "native"))
     assert report.serve_check.status == "passed"
     assert report.serve_check.max_abs_diff <= 1e-5 + 1e-5 * 490
