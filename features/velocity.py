@@ -474,7 +474,7 @@ class AsyncVelocityWriter:
     silently.
     """
 
-    def __init__(self, counters, *, max_pending: int = 4096, max_batch: int = 256, registry=None) -> None:
+    def __init__(self, counters, *, max_pending: int = 4096, max_batch: int = 256, linger_s: float = 0.002, registry=None) -> None:
         import queue
         import threading
 
@@ -486,6 +486,9 @@ class AsyncVelocityWriter:
         self.writer = VelocityWriter(counters)
         self.max_pending = max_pending
         self.max_batch = max_batch
+        # After the first event, wait this long for more: one wake-up and one round trip per batch
+        # instead of per event (each wake-up takes the interpreter lock from the event loop).
+        self.linger_s = linger_s
         self.registry = registry if registry is not None else CollectorRegistry()
         with in_process_values():
             self._writes = Counter(
@@ -531,6 +534,8 @@ class AsyncVelocityWriter:
             item = self._queue.get()
             if item is None:
                 return
+            if self.linger_s > 0:
+                time.sleep(self.linger_s)
             batch = [item]
             while len(batch) < self.max_batch:
                 try:
