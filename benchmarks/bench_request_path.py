@@ -8,11 +8,9 @@ with features from Redis (REDIS_URL, default 127.0.0.1:6379) through the async f
    the phases (features, client, queue, compute, network) as `scorestack diagnose` breaks them down.
 2. Ranking at concurrency 1 with 100-2000 candidates (the most `scorestack.limits.MAX_CANDIDATES`
    allows), chunks of max_batch_size, by how many of a request's chunks are in Triton at once.
-Both run under two placements, each on its own server start, alternating over the rounds:
-"shared" (client and Triton may run on every core) and "split" (Triton confined to all cores but
-the first with LocalTriton's `cpus`, this client to the first); and under the client event loops
-asked for (asyncio, uvloop). The dynamic-batching settings themselves are the compiler's (their
-study, with its results, is in results/request_path.md of 2026-12-02 and the compile report's rules).
+Client and Triton share the cores, one server start per round. (Earlier runs also placed them on
+cores of their own and compared asyncio with uvloop in the client; their results stay in
+results/request_path_*.md.) The dynamic-batching settings are the compiler's.
 
 Writes benchmarks/results/request_path.{json,md}, with the load average before and after.
 
@@ -23,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import sys
@@ -49,16 +46,14 @@ from scorestack.serve import LocalTriton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
-from report import default_window_label
 
 
 
-def start_server(repository: Path, models: list[str], attempts: int = 3, cpus: list[int] | None = None) -> LocalTriton:
-    """A started LocalTriton (confined to `cpus` when given); a start that fails (two of its free
-    ports drawn equal) is retried."""
+def start_server(repository: Path, models: list[str], attempts: int = 3) -> LocalTriton:
+    """A started LocalTriton; a start that fails (two of its free ports drawn equal) is retried."""
     for attempt in range(attempts):
         try:
-            return LocalTriton(repository, models=models, cpus=cpus, exit_timeout_s=0).start()
+            return LocalTriton(repository, models=models, exit_timeout_s=0).start()
         except ServerError:
             if attempt == attempts - 1:
                 raise
@@ -159,82 +154,15 @@ async def run_paths(grpc_url: str, repo: Path, rounds: int, n_rank: int, quick: 
     return out
 
 
-PLACEMENTS = ("shared", "split")
-
-
-def _event_loop_factory(loop: str):
-    """asyncio's default event loop, or uvloop's (what uvicorn runs a service on when it is installed)."""
-    if loop == "uvloop":
-        import uvloop
-
-        return uvloop.new_event_loop
-    return None
-
-
-def run_paths_placed(repository: Path, repo: Path, placement: str, rounds: int, n_rank: int, quick: bool, loop: str = "asyncio",
-                     first_round: int = 0) -> dict:
-    """The request paths with the server and this client either sharing every core ("shared") or
-    on cores of their own ("split": Triton on all but the first, the client on the first, through
-    LocalTriton's `cpus`). Redis is the machine's service and runs wherever the kernel puts it."""
+def run_round(repository: Path, repo: Path, n_rank: int, quick: bool, r: int) -> dict:
+    """One round of the request paths on a server of its own, client and server sharing every core."""
     cpus = sorted(os.sched_getaffinity(0))
-    split = placement == "split" and len(cpus) >= 2
-    server = start_server(repository, ["fraud_xgb", "ranking_xgb"], cpus=cpus[1:] if split else None)
+    server = start_server(repository, ["fraud_xgb", "ranking_xgb"])
     try:
-        if split:
-            harness.pin([os.getpid()], {cpus[0]})  # every thread of this process, gRPC's included
-        with asyncio.Runner(loop_factory=_event_loop_factory(loop)) as runner:
-            out = runner.run(run_paths(server.grpc_url, repo, rounds, n_rank, quick, first_round))
+        out = asyncio.run(run_paths(server.grpc_url, repo, 1, n_rank, quick, first_round=r))
     finally:
-        harness.pin([os.getpid()], set(cpus))
         server.stop()
-    out["cpus"] = {"client": cpus[:1] if split else cpus, "server": cpus[1:] if split else cpus}
-    out["event_loop"] = loop
-    return out
-
-
-def _rng(values: list[float]) -> list[float] | None:
-    values = [v for v in values if v is not None]
-    return [round(min(values), 3), round(max(values), 3)] if values else None
-
-
-def summarize_paths(result: dict) -> dict:
-    """One run's headline numbers per placement and event loop (ranges over rounds), kept in the next runs' history."""
-    out: dict = {k: result.get("machine", {}).get(k) for k in ("date", "commit", "cpu_model", "note", "loadavg_before")}
-    out["paths"] = {}
-    for key, runs in (result.get("paths") or {}).items():
-        fraud = [r.get("fraud") or {} for r in runs]
-
-        def pick(point: str, field: str, fraud: list = fraud) -> list[float] | None:
-            return _rng([f[point][field] for f in fraud if point in f and field in f[point]])
-
-        ranking = [r.get("ranking") or {} for r in runs]
-        window = default_window_label(ranking[0]) if ranking else None
-        out["paths"][key] = {
-            "fraud_c1_p50_ms": pick("concurrency_1", "p50_ms"), "fraud_c1_p99_ms": pick("concurrency_1", "p99_ms"),
-            "fraud_c16_p50_ms": pick("concurrency_16", "p50_ms"), "fraud_c64_p50_ms": pick("concurrency_64", "p50_ms"),
-            "fraud_open50_p99_ms": pick("open_50pct", "p99_ms"), "fraud_open80_p99_ms": pick("open_80pct", "p99_ms"),
-            "ranking_window": window,
-            "ranking_rejected": ({c: sum(r[c][window]["rejected"] for r in ranking if c in r) for c in ranking[0]} if window else None),
-            "ranking_500_p99_ms": (_rng([r["candidates_500"][window]["total_p99_ms"] for r in ranking if "candidates_500" in r]) if window else None),
-        }
-    return out
-
-
-def render_history(history: list[dict]) -> list[str]:
-    """The run-to-run table: this machine's noise, shown rather than averaged away."""
-    if not history:
-        return []
-    fmt = lambda r: "–" if not r else f"{r[0]:.2f}-{r[1]:.2f}"
-    lines = ["## Run to run (this run first, then earlier runs kept in this file, newest first): ranges over rounds", "",
-             "| run | commit | machine | path | fraud c1 p50 / p99 ms | c16 p50 ms | c64 p50 ms | open 50% / 80% p99 ms | ranking rejected (default window) | 1 x 500 p99 ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for h in history:
-        for key, v in h["paths"].items():
-            rej = v.get("ranking_rejected")
-            lines.append(f"| {h['date']} | {h.get('commit') or '–'} | {h.get('cpu_model') or '–'} | {key} | {fmt(v['fraud_c1_p50_ms'])} / {fmt(v['fraud_c1_p99_ms'])} | "
-                         f"{fmt(v['fraud_c16_p50_ms'])} | {fmt(v['fraud_c64_p50_ms'])} | {fmt(v.get('fraud_open50_p99_ms'))} / {fmt(v.get('fraud_open80_p99_ms'))} | "
-                         + ("–" if rej is None else ", ".join(f"{c.split('_')[-1]}: {n}" for c, n in rej.items())) + f" | {fmt(v.get('ranking_500_p99_ms'))} |")
-    return lines + [""]
+    return {**out, "cpus": {"client": cpus, "server": cpus}, "event_loop": "asyncio", "round": r}
 
 
 def render(result: dict) -> str:
@@ -244,7 +172,7 @@ def render(result: dict) -> str:
              f"{m['cpus']} CPUs ({m['cpu_model']}), {m['platform']}, commit {m['commit']}, {m['date']}; load average before/after: "
              f"{' '.join(f'{x:.2f}' for x in m['loadavg_before'])} / {' '.join(f'{x:.2f}' for x in m['loadavg_after'])}; client and server share the cores."
              + (f" Note: {m['note']}" if m.get("note") else ""), ""]
-    for placement, runs in (result.get("paths") or {}).items():
+    for placement, runs in (result.get("paths") or {}).items():  # one placement: "shared"
         cpus = runs[0]["cpus"] if runs else {}
         where = ("client and Triton on every core" if cpus.get("client") == cpus.get("server") else
                  f"client on CPU {','.join(map(str, cpus.get('client', [])))}, Triton on CPU {','.join(map(str, cpus.get('server', [])))} (LocalTriton cpus=)")
@@ -273,8 +201,6 @@ def render(result: dict) -> str:
                 for k, v in variants.items():
                     lines.append(f"| {run['round']} | {n_c.split('_')[1]} | {v['chunks']} | {k} | {v['served']} | {v['rejected']} | {fmt(v['infer_p50_ms'])} / {fmt(v['infer_p99_ms'])} | {fmt(v['total_p50_ms'])} / {fmt(v['total_p99_ms'])} |")
         lines += ["", "A rejected request is Triton's queue policy at work (REJECT after the compiled queue timeout); the client raises OverloadedError instead of retrying it.", ""]
-    if result.get("paths"):
-        lines += render_history([summarize_paths(result), *result.get("history", [])])
     return "\n".join(lines) + "\n"
 
 
@@ -282,18 +208,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ranking-requests", type=int, default=40, help="ranking requests per variant, candidate count and round")
-    ap.add_argument("--loop", default="asyncio,uvloop",
-                    help="the client's event loops for the request paths, comma-separated, each side by side with the others "
-                         "(asyncio: the default loop; uvloop: what uvicorn runs a service on when it is installed)")
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run, not for the results)")
     ap.add_argument("--out", default="request_path", help="results name under benchmarks/results/")
     ap.add_argument("--note", default="", help="a line about the conditions of this run, kept in the results")
     ap.add_argument("--recompile", action="store_true", help="compile the demo models again even when unchanged (after a change to the compiler)")
     args = ap.parse_args()
-    loops = [x.strip() for x in args.loop.split(",") if x.strip()]
-    bad = [x for x in loops if x not in ("asyncio", "uvloop")]
-    if bad or not loops:
-        ap.error(f"--loop: {bad or 'none given'}; choose from asyncio, uvloop (comma-separated)")
     ws = paths.workspace()
     specs = {p.stem: p for p in train_demo_models(ws / "models")}
     repository = ws / "model_repository"
@@ -306,28 +225,14 @@ def main() -> None:
     store.materialize(repo)
     load_before = os.getloadavg()
     t = time.time()
-    # Each placement and event loop on its own server start, in alternating order over the rounds.
-    plan = [(p, lp) for p in PLACEMENTS for lp in loops]
-    runs: dict[str, list[dict]] = {(p if lp == "asyncio" else f"{p}, {lp}"): [] for p, lp in plan}
     n_rank = max(2, args.ranking_requests // (5 if args.quick else 1))
+    runs: dict[str, list[dict]] = {"shared": []}
     for r in range(args.rounds):
-        for placement, loop in plan if r % 2 == 0 else list(reversed(plan)):
-            print(f"paths, placement {placement}, event loop {loop}, round {r}", flush=True)
-            # first_round=r: the ranking plans' order turns over with the rounds as the placements' does.
-            run = run_paths_placed(repository, repo, placement, 1, n_rank, args.quick, loop, first_round=r)
-            run["round"] = r
-            runs[placement if loop == "asyncio" else f"{placement}, {loop}"].append(run)
+        print(f"paths, round {r}", flush=True)
+        runs["shared"].append(run_round(repository, repo, n_rank, args.quick, r))
     result: dict = {"paths": runs, "served_settings": {m: served_settings(repository / m) for m in ("fraud_xgb", "ranking_xgb")}}
     result["machine"] = harness.machine(seconds=round(time.time() - t, 1), loadavg_before=load_before, loadavg_after=os.getloadavg(),
                                         quick=args.quick, note=args.note)
-    previous_file = harness.RESULTS / f"{args.out}.json"
-    if previous_file.exists():
-        # Earlier runs' headline numbers stay in the file (newest first), so a noisy machine's spread is on record.
-        previous = json.loads(previous_file.read_text())
-        if previous.get("paths"):
-            result["history"] = [summarize_paths(previous), *previous.get("history", [])][:12]
-        elif previous.get("history"):
-            result["history"] = previous["history"][:12]
     text = render(result)
     harness.write_results(args.out, result, text)
     print(text)
