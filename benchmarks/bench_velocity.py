@@ -28,7 +28,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,12 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Tally, closed_loop, machine, table, write_results
 
 from scorestack.features.velocity import FRAUD_VELOCITY, RedisVelocity, VelocityWriter
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from scorestack.serve.ports import free_port
 
 
 class Server:

@@ -4,14 +4,15 @@
 # machine, the same C load generator h2load for every target, interleaved rounds); the request path
 # end to end (fraud with Redis features at concurrency 1/16/64 and open loop at 50%/80% of its maximum;
 # ranking with 100-2000 candidates); overload through the client's admission control; the whole fraud
-# and ranking request against the hand-written Feast + onnxruntime service (e2e). Writes
-# benchmarks/results/{peers,request_path,admission,e2e}.{json,md} and regenerates benchmarks/REPORT.md,
+# and ranking request against the hand-written Feast + onnxruntime service (e2e); the velocity counters
+# under 4 writer processes and a Redis restart (velocity). Writes
+# benchmarks/results/{peers,request_path,admission,e2e,velocity}.{json,md} and regenerates benchmarks/REPORT.md,
 # whose tables judge the goals. The soak (10 minutes at 70% of the sustainable maximum) runs on its own:
 # --only soak (with --quick: 60 seconds).
 #
 #   scripts/bench.sh                 # everything (~15 minutes on 2 cores)
 #   scripts/bench.sh --quick         # everything, short (a smoke run, not for the results)
-#   scripts/bench.sh --only peers    # one part: peers, request_path, admission, e2e or soak
+#   scripts/bench.sh --only peers    # one part: peers, request_path, admission, e2e, velocity or soak
 #   scripts/bench.sh --only peers --targets scorestack,fastapi_onnxruntime --rounds 3   # other options go to suite.py
 #
 # The first run also trains/compiles the demo models (~1 minute) and builds MLServer's own virtual
@@ -25,15 +26,15 @@ suite_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=(--quick); shift ;;
-    --only) [ $# -ge 2 ] || { echo "scripts/bench.sh: --only needs a part: peers, request_path, admission, e2e or soak" >&2; exit 2; }
+    --only) [ $# -ge 2 ] || { echo "scripts/bench.sh: --only needs a part: peers, request_path, admission, e2e, velocity or soak" >&2; exit 2; }
             only="$2"; shift 2 ;;
     --only=*) only="${1#--only=}"; shift ;;
     *) suite_args+=("$1"); shift ;;
   esac
 done
 case "$only" in
-  ""|peers|request_path|admission|e2e|soak) ;;
-  *) echo "scripts/bench.sh: --only $only: choose peers, request_path, admission, e2e or soak" >&2; exit 2 ;;
+  ""|peers|request_path|admission|e2e|velocity|soak) ;;
+  *) echo "scripts/bench.sh: --only $only: choose peers, request_path, admission, e2e, velocity or soak" >&2; exit 2 ;;
 esac
 if [ ${#suite_args[@]} -gt 0 ] && [ "$only" != "peers" ]; then
   echo "scripts/bench.sh: options ${suite_args[*]} are suite.py's: add --only peers" >&2
@@ -59,6 +60,14 @@ fi
 if [ -z "$only" ] || [ "$only" = e2e ]; then
   step "end to end against the hand-written service: benchmarks/bench_e2e.py"
   "$PY" benchmarks/bench_e2e.py "${quick[@]}"
+fi
+if [ -z "$only" ] || [ "$only" = velocity ]; then
+  step "velocity counters under concurrent replicas: benchmarks/bench_velocity.py"
+  if [ ${#quick[@]} -gt 0 ]; then
+    "$PY" benchmarks/bench_velocity.py --events 2000 --rounds 1 --fetch-seconds 1
+  else
+    "$PY" benchmarks/bench_velocity.py
+  fi
 fi
 if [ "$only" = soak ]; then
   step "soak: benchmarks/soak.py"
