@@ -180,7 +180,9 @@ def test_the_lean_http_transport_scores_what_grpc_scores(loop, services, triton,
 
         got = [r.outputs[schema.OUTPUT_TENSORS["binary"]] for r in loop.run_until_complete(many())]
         want = [loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: row})).outputs[schema.OUTPUT_TENSORS["binary"]] for row in x]
-        np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+        # Concurrent calls are batched by Triton: a row computed in a batch may differ from itself alone in the last
+        # float32 bit (7e-9 seen in CI); the sequential comparisons above are exact.
+        np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), rtol=0, atol=1e-6)
         assert 1 <= lean._http._open == len(lean._http._idle) <= 24
     finally:
         loop.run_until_complete(lean.close())
@@ -256,7 +258,7 @@ def test_triton_in_process_scores_what_the_remote_server_scores(loop, services, 
     out = schema.OUTPUT_TENSORS["binary"]
     got = np.concatenate([r.outputs[out] for r in loop.run_until_complete(many())])
     want = np.concatenate([loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: row})).outputs[out] for row in x])
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)  # batched under concurrency: last-bit differences (see above)
     assert loop.run_until_complete(local.is_ready())
 
 
