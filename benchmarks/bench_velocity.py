@@ -268,32 +268,23 @@ async def fetch_runs(workdir: Path, seconds: float, rounds: int) -> dict:
     feature_store.apply(repo)
     feature_store.materialize(repo)
     fs = feature_store.feature_store(repo)
-    writer = AsyncVelocityWriter.for_store(feature_store.feature_store(repo), max_pending=100_000)
+    writer = AsyncVelocityWriter.for_store(fs, max_pending=100_000)
     off = FeatureFetcher(fs, timeout_s=0.5, freeze_heap=False)
     on = FeatureFetcher(fs, timeout_s=0.5, windows=True, freeze_heap=False)
     await off.start()
     await on.start()
     rng = random.Random(1)
 
-    async def send_off(i: int):
-        return await off.fetch("fraud", {"user_id": rng.randrange(1000)})
+    def sender(fetcher: FeatureFetcher, write: bool):
+        async def send(i: int):
+            user = rng.randrange(1000)
+            result = await fetcher.fetch("fraud", {"user_id": user})
+            if write:
+                writer.submit(user, {"amount": 12.5})
+            return result
+        return send
 
-    async def send_on(i: int):
-        user = rng.randrange(1000)
-        result = await on.fetch("fraud", {"user_id": user})
-        writer.submit(user, {"amount": 12.5})
-        return result
-
-    async def send_read(i: int):
-        return await on.fetch("fraud", {"user_id": rng.randrange(1000)})
-
-    async def send_write(i: int):
-        user = rng.randrange(1000)
-        result = await off.fetch("fraud", {"user_id": user})
-        writer.submit(user, {"amount": 12.5})
-        return result
-
-    sends = {"off": send_off, "on": send_on, "windows read only": send_read, "write only": send_write}
+    sends = {"off": sender(off, False), "on": sender(on, True), "windows read only": sender(on, False), "write only": sender(off, True)}
     tallies: dict[str, dict[int, list[Tally]]] = {name: {1: [], 16: []} for name in sends}
     for r in range(rounds):
         for concurrency in (1, 16):

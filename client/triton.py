@@ -190,6 +190,8 @@ class TritonClient:
         self.http_url = http_url
         self._in_process = in_process
         self._http = HttpWire(http_url) if http_url else None
+        # infer's transport besides gRPC: (model, [(name, datatype, array)], outputs, timeout_s) -> {output: array}
+        self._lean_call = self._http.infer if self._http else (in_process.infer_within if in_process else None)
         self.max_in_flight = policy_of(max_in_flight)
         self._gates: dict[str, Gate] = {}
         self.tls = tls
@@ -355,31 +357,16 @@ class TritonClient:
                      deadline: float, start: float) -> InferResult:
         wanted = list(outputs) if outputs is not None else list(wire.output_names)
         attempts = 0
-        if self._in_process is not None and wire.lean:
+        if self._lean_call is not None and wire.lean:
+            # Triton's HTTP endpoint or the in-process server: one call signature, each bounding the call by itself.
             arrays = [(name, datatype, np.ascontiguousarray(inputs[name])) for name, datatype in wire.inputs]
-            server, loop = self._in_process, asyncio.get_running_loop()
 
             async def call(timeout: float):
                 nonlocal attempts
                 attempts += 1
-                future = server.infer(model, arrays, wanted, int(timeout * 1e6))
-                timer = loop.call_later(timeout, lambda: future.done() or future.set_exception(InferenceServerException(
-                    "Deadline Exceeded: no answer from the in-process Triton", status="DEADLINE_EXCEEDED")))
-                try:
-                    return await future
-                finally:
-                    timer.cancel()
+                return await self._lean_call(model, arrays, wanted, timeout)
 
             out = await self._retrying(model, deadline, call, guard=False)
-        elif self._http is not None and wire.lean:
-            arrays = [(name, datatype, np.ascontiguousarray(inputs[name])) for name, datatype in wire.inputs]
-
-            async def call(timeout: float):
-                nonlocal attempts
-                attempts += 1
-                return await self._http.infer(model, arrays, wanted, timeout)
-
-            out = await self._retrying(model, deadline, call, guard=False)  # the transport bounds each call itself
         elif self._stub is not None and wire.lean:
             # The lean path: the request message built here in one pass, sent on tritonclient's own
             # stub and channel (tritonclient's InferInput + set_data_from_numpy and its request

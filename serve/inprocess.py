@@ -29,7 +29,6 @@ import ctypes as C
 import hashlib
 import itertools
 import json
-import os
 import logging
 import shutil
 import tempfile
@@ -263,6 +262,18 @@ class InProcessTriton:
             raise
         return future
 
+    async def infer_within(self, model: str, inputs: Sequence[tuple[str, str, np.ndarray]], outputs: Sequence[str],
+                           timeout_s: float) -> dict[str, np.ndarray]:
+        """`infer`, awaited, failing with DEADLINE_EXCEEDED after `timeout_s` (also Triton's queue timeout): the call
+        signature TritonClient gives every transport besides gRPC (client/http_wire.HttpWire.infer is the other)."""
+        future = self.infer(model, inputs, outputs, int(timeout_s * 1e6))
+        timer = asyncio.get_running_loop().call_later(timeout_s, lambda: future.done() or future.set_exception(
+            InferenceServerException("Deadline Exceeded: no answer from the in-process Triton", status="DEADLINE_EXCEEDED")))
+        try:
+            return await future
+        finally:
+            timer.cancel()
+
     @staticmethod
     def _outputs(api: _Api, response) -> dict[str, np.ndarray]:
         lib = api.lib
@@ -330,7 +341,9 @@ def _build_shim() -> Path:
     from importlib import resources
 
     source = (resources.files("scorestack.serve") / "inprocess_shim.c").read_text(encoding="utf-8")
-    cache = Path(os.environ.get("SCORESTACK_CACHE", Path.home() / ".cache" / "scorestack")) / "inprocess"
+    from scorestack.paths import home
+
+    cache = home() / "inprocess"
     lib = cache / f"shim-{hashlib.sha256(source.encode()).hexdigest()[:12]}.so"
     return build_library(source, lib, error=ServerError, what="the in-process Triton's callbacks", libs=("-lpthread",))
 

@@ -150,6 +150,35 @@ def test_ranking_order_equals_source_ranker(loop, services, compiled_demo, featu
     assert np.all(np.diff(result.scores) <= 0)
 
 
+def _answers_like_grpc(loop, services, other: TritonClient, *, users: list[int], rank_user: int, context: int, concurrent: int, seed: int) -> None:
+    """`other` (another transport to the same models) gives the gRPC client's answers: fraud vectors, probabilities
+    and thresholds, a 300-candidate ranking (3 chunks) exactly, and `concurrent` calls at once within 1e-6."""
+    client, fetcher, fraud, ranking = services
+    fraud_other = FraudService(other, fetcher, model="fraud_xgb")
+    for i, user in enumerate(users):
+        txn = _transaction(i, user)
+        ours, theirs = loop.run_until_complete(fraud.score(txn)), loop.run_until_complete(fraud_other.score(txn))
+        np.testing.assert_array_equal(theirs.features, ours.features)
+        assert theirs.probability == ours.probability and theirs.threshold == ours.threshold
+    candidates = list(range(1, 301))
+    ranked = loop.run_until_complete(ranking.rank(rank_user, candidates, _context(context)))
+    ranked_other = loop.run_until_complete(RankingService(other, fetcher, model="ranking_xgb", max_candidates=1000, chunk_size=128)
+                                           .rank(rank_user, candidates, _context(context)))
+    assert list(ranked_other.item_ids) == list(ranked.item_ids) and ranked_other.chunks == 3
+    np.testing.assert_array_equal(ranked_other.scores, ranked.scores)
+    x = np.random.default_rng(seed).normal(size=(concurrent, 1, len(schema.FRAUD_FEATURES))).astype(np.float32)
+
+    async def many():
+        return await asyncio.gather(*(other.infer("fraud_xgb", {schema.INPUT_TENSOR: row}) for row in x))
+
+    out = schema.OUTPUT_TENSORS["binary"]
+    got = np.concatenate([r.outputs[out] for r in loop.run_until_complete(many())])
+    want = np.concatenate([loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: row})).outputs[out] for row in x])
+    # Concurrent calls are batched by Triton: a row computed in a batch may differ from itself alone in the last
+    # float32 bit (7e-9 seen in CI); the sequential comparisons above are exact.
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
 async def _lean(server, *, deadline_s: float) -> TritonClient:
     return TritonClient(server.grpc_url, deadline_s=deadline_s, http_url=server.http_url)
 
@@ -157,32 +186,10 @@ async def _lean(server, *, deadline_s: float) -> TritonClient:
 def test_the_lean_http_transport_scores_what_grpc_scores(loop, services, triton, feature_repo):
     """TritonClient(http_url=...) sends inference over Triton's HTTP endpoint (binary tensors): the same
     fraud probabilities and the same ranking as over gRPC, from the same server."""
-    client, fetcher, fraud, ranking = services
     lean = loop.run_until_complete(_lean(triton, deadline_s=2.0))
     try:
-        fraud_http = FraudService(lean, fetcher, model="fraud_xgb")
-        for i, user in enumerate([2, 9, 77]):
-            txn = _transaction(i, user)
-            ours, http = loop.run_until_complete(fraud.score(txn)), loop.run_until_complete(fraud_http.score(txn))
-            np.testing.assert_array_equal(http.features, ours.features)
-            assert http.probability == ours.probability and http.threshold == ours.threshold
-        candidates = list(range(1, 301))
-        ranked = loop.run_until_complete(ranking.rank(8, candidates, _context(1)))
-        ranked_http = loop.run_until_complete(RankingService(lean, fetcher, model="ranking_xgb", max_candidates=1000, chunk_size=128)
-                                              .rank(8, candidates, _context(1)))
-        assert list(ranked_http.item_ids) == list(ranked.item_ids) and ranked_http.chunks == 3
-        np.testing.assert_array_equal(ranked_http.scores, ranked.scores)
-        # Concurrency: the pool opens connections as calls need them and keeps them for the next ones.
-        x = np.random.default_rng(5).normal(size=(24, 1, len(schema.FRAUD_FEATURES))).astype(np.float32)
-
-        async def many():
-            return await asyncio.gather(*(lean.infer("fraud_xgb", {schema.INPUT_TENSOR: row}) for row in x))
-
-        got = [r.outputs[schema.OUTPUT_TENSORS["binary"]] for r in loop.run_until_complete(many())]
-        want = [loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: row})).outputs[schema.OUTPUT_TENSORS["binary"]] for row in x]
-        # Concurrent calls are batched by Triton: a row computed in a batch may differ from itself alone in the last
-        # float32 bit (7e-9 seen in CI); the sequential comparisons above are exact.
-        np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), rtol=0, atol=1e-6)
+        _answers_like_grpc(loop, services, lean, users=[2, 9, 77], rank_user=8, context=1, concurrent=24, seed=5)
+        # Concurrency: the pool opened connections as calls needed them and keeps them for the next ones.
         assert 1 <= lean._http._open == len(lean._http._idle) <= 24
     finally:
         loop.run_until_complete(lean.close())
@@ -235,30 +242,11 @@ def in_process(compiled_demo, server_environment):
 def test_triton_in_process_scores_what_the_remote_server_scores(loop, services, in_process, compiled_demo):
     """TritonClient(in_process=...) runs Triton inside this process through its C API: the same fraud
     probabilities and ranking as the remote server, the same model metadata, under concurrency too."""
-    client, fetcher, fraud, ranking = services
+    client = services[0]
     local = TritonClient(in_process=in_process, deadline_s=2.0)
-    fraud_local = FraudService(local, fetcher, model="fraud_xgb")
-    for i, user in enumerate([4, 13, 88]):
-        txn = _transaction(i, user)
-        ours, here = loop.run_until_complete(fraud.score(txn)), loop.run_until_complete(fraud_local.score(txn))
-        np.testing.assert_array_equal(here.features, ours.features)
-        assert here.probability == ours.probability and here.threshold == ours.threshold
-    ranked = loop.run_until_complete(ranking.rank(6, list(range(1, 301)), _context(2)))
-    ranked_here = loop.run_until_complete(RankingService(local, fetcher, model="ranking_xgb", max_candidates=1000, chunk_size=128)
-                                          .rank(6, list(range(1, 301)), _context(2)))
-    assert list(ranked_here.item_ids) == list(ranked.item_ids)
-    np.testing.assert_array_equal(ranked_here.scores, ranked.scores)
+    _answers_like_grpc(loop, services, local, users=[4, 13, 88], rank_user=6, context=2, concurrent=32, seed=7)
     remote_info, local_info = (loop.run_until_complete(c.model_info("fraud_xgb")) for c in (client, local))
     assert local_info == remote_info
-    x = np.random.default_rng(7).normal(size=(32, 1, len(schema.FRAUD_FEATURES))).astype(np.float32)
-
-    async def many():
-        return await asyncio.gather(*(local.infer("fraud_xgb", {schema.INPUT_TENSOR: row}) for row in x))
-
-    out = schema.OUTPUT_TENSORS["binary"]
-    got = np.concatenate([r.outputs[out] for r in loop.run_until_complete(many())])
-    want = np.concatenate([loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: row})).outputs[out] for row in x])
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)  # batched under concurrency: last-bit differences (see above)
     assert loop.run_until_complete(local.is_ready())
 
 
