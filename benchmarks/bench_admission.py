@@ -51,13 +51,13 @@ def _kind(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-class _Driver:
+class Driver:
     """Sends through `TritonClient` itself, with the admission policy of each point."""
 
     def __init__(self, settings: dict, index: int) -> None:
         self.s = settings
 
-    async def __aenter__(self) -> "_Driver":
+    async def __aenter__(self) -> "Driver":
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -83,10 +83,6 @@ class _Driver:
         return {"counts": counts, "samples": t.error_samples, "served_per_s": t.ok / duration_s,
                 **{k: sm[k] for k in ("p50_ms", "p90_ms", "p99_ms", "p999_ms")}, "send_lag_p99_ms": sm.get("send_lag_ms_p99"),
                 "client_cpu_cores": sm["client_cpu_cores"], "admission": state}
-
-
-def session(settings: dict, index: int) -> _Driver:
-    return _Driver(settings, index)
 
 
 # -- the run --------------------------------------------------------------------------------------------
@@ -128,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         harness.pin(peer.pids(), server_cpus, children=True)
         return peer
 
-    driver = harness.Workers(1, "bench_admission:session", {"rows": rows, "per_request": args.rows, "uvloop": False}, cpus=client_cpus)
+    driver = harness.Workers(1, "bench_admission:Driver", {"rows": rows, "per_request": args.rows, "uvloop": False}, cpus=client_cpus)
     peer = start()
     t_start = time.monotonic()
 

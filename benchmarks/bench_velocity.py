@@ -1,17 +1,19 @@
-"""Velocity counters under several writer processes (issue 28): exactness, a Redis restart, the
-atomic write against an optimistic transaction, and the fraud path's fetch + write-back cost.
+"""Velocity counters under several writer processes (issue 28): exactness, a Redis restart, and the
+fraud path's fetch + write-back cost.
 
     .venv/bin/python benchmarks/bench_velocity.py [--events 10000] [--users 100] [--burst 50] [--replicas 4]
 
-1. exact: `replicas` processes add `events` transactions over `users` users, in bursts of `burst`
-   for one user spread over every replica at once (the card-testing shape), with event times over
-   the last 2 hours (late and out-of-order ones included). Every user's four windows are then read
-   and compared with a reference computed from the event log (the events each replica saw added).
-   Modes: `lua` (scorestack.features.velocity: one atomic script per event), `optimistic`
-   (WATCH/MULTI/EXEC with retry on conflict) and `rmw` (the old read-modify-write, for contrast).
-2. outage: the `lua` run again with the Redis server killed (SIGKILL) a third of the way in and
+1. exact: `replicas` processes add `events` transactions over `users` users through
+   scorestack.features.velocity (one atomic script per event), in bursts of `burst` for one user
+   spread over every replica at once (the card-testing shape), with event times over the last 2 hours
+   (late and out-of-order ones included). Every user's four windows are then read and compared with a
+   reference computed from the event log (the events each replica saw added). (The study that chose
+   the atomic script over WATCH/MULTI/EXEC and read-modify-write: results/velocity_write_modes.md.)
+2. outage: the run again with the Redis server killed (SIGKILL) a third of the way in and
    restarted a second later (append-only file, fsync always: what was acknowledged survives).
-   Writes during the outage must be counted failed; none may be lost or counted twice.
+   Writes during the outage must be counted failed. A failed write is unconfirmed (the kill can fall
+   between a script's effect and its reply), so the failed events are sent again with their ids once
+   Redis is back; after that none may be lost or counted twice.
 3. fetch: the fraud service's store path in one process (the Triton call is left out: it is the
    same on both sides): fetch only (write-back off) against fetch with window reads + the atomic
    write-back submitted (on), c1 p50 and c16 req/s, side by side in alternating rounds.
@@ -39,6 +41,7 @@ from harness import Tally, closed_loop, machine, table, write_results
 
 from scorestack.features.velocity import FRAUD_VELOCITY, RedisVelocity, VelocityWriter
 from scorestack.serve.ports import free_port
+from scorestack.serve.readiness import process_exit, wait_until
 
 
 class Server:
@@ -46,21 +49,20 @@ class Server:
         self.workdir, self.port, self.proc = workdir, port, None
 
     def start(self) -> None:
+        import redis
+
         self.proc = subprocess.Popen(
             [shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
              "--appendfsync", "always", "--dir", str(self.workdir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        import redis
-
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        def pong() -> str | None:
             try:
-                redis.Redis(port=self.port).ping()
-                return
-            except Exception:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+                return None if redis.Redis(port=self.port, socket_timeout=0.5).ping() else "no PONG"
+            except redis.RedisError as exc:  # not listening yet, or loading its append-only file
+                return str(exc)
+
+        wait_until(pong, timeout_s=10, what="redis-server", died=process_exit(self.proc))
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -72,101 +74,25 @@ class Server:
             self.proc.wait(10)
 
 
-# --- the writers -----------------------------------------------------------------------------------
-
-
-def _groups(args: list) -> list[tuple[int, str, int, list[tuple[str, float]]]]:
-    """The add script's per-resolution groups: (bucket, time field, oldest bucket, [(field, delta)])."""
-    out, a = [], 2
-    while a < len(args):
-        b, tf, oldest, n = args[a], args[a + 1], args[a + 2], args[a + 3]
-        a += 4
-        out.append((b, tf, oldest, [(args[a + 2 * i], float(args[a + 2 * i + 1])) for i in range(n)]))
-        a += 2 * n
-    return out
-
-
-def _new_values(reader, key: str, groups) -> dict[str, str]:
-    """What the add script would write, computed in the client from values read first."""
-    mapping: dict[str, str] = {}
-    for b, tf, oldest, fields in groups:
-        if b < oldest:
-            continue
-        cur = reader.hget(key, tf)
-        cur = int(float(cur)) if cur is not None else -1
-        if cur > b:
-            continue
-        olds = reader.hmget(key, [f for f, _ in fields]) if cur == b else [None] * len(fields)
-        if cur < b:
-            mapping[tf] = str(b)
-        for (f, delta), old in zip(fields, olds):
-            mapping[f] = repr(float(old or 0) + delta)
-    return mapping
-
-
-def _optimistic_add(client, store: RedisVelocity, entity, event_id, event, t) -> tuple[str, int]:
-    """WATCH the marker and the entity's hash, read, then MULTI/EXEC; retry on a conflict. (outcome, retries)"""
-    import redis
-
-    (marker, key), args = store.add_call(entity, event_id, event, t)
-    groups = _groups(args)
-    retries = 0
-    while True:
-        with client.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(marker, key)
-                if pipe.exists(marker):
-                    return "duplicate", retries
-                mapping = _new_values(pipe, key, groups)
-                pipe.multi()
-                pipe.set(marker, 1, ex=args[0])
-                if mapping:
-                    pipe.hset(key, mapping=mapping)
-                    pipe.expire(key, args[1])
-                pipe.execute()
-                return "added", retries
-            except redis.WatchError:
-                retries += 1
-
-
-def _rmw_add(client, store: RedisVelocity, entity, event_id, event, t) -> tuple[str, int]:
-    """The old shape: read the values, add, write them back (no transaction, no marker)."""
-    (_, key), args = store.add_call(entity, event_id, event, t)
-    mapping = _new_values(client, key, _groups(args))
-    if mapping:
-        client.hset(key, mapping=mapping)
-    return "added", 0
-
-
-def replica(port: int, mode: str, prefix: str, events: list, start_at: float, out, rate: float = 0.0) -> None:
+def replica(port: int, prefix: str, events: list, start_at: float, out, rate: float = 0.0) -> None:
     import redis
 
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     client = redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
-    store = RedisVelocity(client, FRAUD_VELOCITY, prefix=prefix)
-    writer = VelocityWriter(store)
+    writer = VelocityWriter(RedisVelocity(client, FRAUD_VELOCITY, prefix=prefix))
     while time.time() < start_at:
         time.sleep(0.001)
-    log, retries = [], 0
+    log = []
     t0 = time.perf_counter()
     for k, (event_id, user, t, amount) in enumerate(events):
         if rate:  # paced: this replica's share of the total rate
             delay = t0 + k / rate - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-        event = {"amount": amount}
-        if mode == "lua":
-            outcome = writer.add(user, event_id, event, t)
-        else:
-            try:
-                outcome, r = (_optimistic_add if mode == "optimistic" else _rmw_add)(client, store, user, event_id, event, t)
-                retries += r
-            except Exception:
-                outcome = "failed"
-        log.append((event_id, user, t, amount, outcome))
-    out.put((log, retries, time.perf_counter() - t0))
+        log.append((event_id, user, t, amount, writer.add(user, event_id, {"amount": amount}, t)))
+    out.put((log, time.perf_counter() - t0))
 
 
 def make_events(n: int, users: int, burst: int, now: float, seed: int = 28) -> list[list]:
@@ -184,11 +110,11 @@ def make_events(n: int, users: int, burst: int, now: float, seed: int = 28) -> l
     return events
 
 
-def exact_run(mode: str, args, workdir: Path, *, outage: bool = False) -> dict:
+def exact_run(args, workdir: Path, *, outage: bool = False) -> dict:
     import redis
 
     port = free_port()
-    server = Server(workdir / f"{mode}{'-outage' if outage else ''}", port)
+    server = Server(workdir / ("outage" if outage else "steady"), port)
     server.workdir.mkdir(parents=True, exist_ok=True)
     server.start()
     now = time.time()
@@ -196,8 +122,8 @@ def exact_run(mode: str, args, workdir: Path, *, outage: bool = False) -> dict:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     start_at = time.time() + 2.0
-    prefix = f"bench:{mode}:"
-    procs = [ctx.Process(target=replica, args=(port, mode, prefix, events[k :: args.replicas], start_at, out,
+    prefix = f"bench:{'outage' if outage else 'steady'}:"
+    procs = [ctx.Process(target=replica, args=(port, prefix, events[k :: args.replicas], start_at, out,
                                                  args.outage_rate / args.replicas if outage else 0.0)) for k in range(args.replicas)]
     for p in procs:
         p.start()
@@ -220,17 +146,32 @@ def exact_run(mode: str, args, workdir: Path, *, outage: bool = False) -> dict:
     for p in procs:
         p.join(60)
     log = [row for r in results for row in r[0]]
-    retries = sum(r[1] for r in results)
-    write_s = max(r[2] for r in results)
+    write_s = max(r[1] for r in results)
     outcomes = {k: sum(1 for row in log if row[4] == k) for k in ("added", "duplicate", "expired", "failed")}
     store = RedisVelocity(redis.Redis(port=port), FRAUD_VELOCITY, prefix=prefix)
-    lost = double = 0
-    lost_amount = 0.0
-    mismatched_users = 0
     read_now = now + 1
-    for user in range(args.users):
-        mine = [(t, {"amount": a}) for _, u, t, a, o in log if u == user and o == "added"]
-        expected = FRAUD_VELOCITY.reference(read_now, mine)
+    out = {"outage": outage, "events": len(log), "outcomes": outcomes, "write_s": write_s, "events_per_s": len(log) / write_s, "outage_s": outage_s}
+    out.update(compare(store, log, args.users, read_now))
+    if outcomes["failed"]:
+        # A failed write is unconfirmed, not undone: SIGKILL can land after Redis applied a script (fsync'd) and
+        # before its reply left, so the counters may already hold it. What a service does with its failed log:
+        # send each event again with its id once Redis is back. The marker answers "duplicate" for those that
+        # landed; the rest are added. After that every counter must equal the reference over every event.
+        writer = VelocityWriter(store)
+        retried = {row[0]: writer.add(row[1], row[0], {"amount": row[3]}, row[2]) for row in log if row[4] == "failed"}
+        out["before_retry"] = {k: out[k] for k in ("lost_counts", "double_counts", "lost_amount", "users_mismatched")}
+        out["retry_of_failed"] = {k: sum(v == k for v in retried.values()) for k in ("added", "duplicate", "failed")}
+        out.update(compare(store, [(*row[:4], retried.get(row[0], row[4])) for row in log], args.users, read_now))
+    server.stop()
+    return out
+
+
+def compare(store: RedisVelocity, log: list, users: int, read_now: float) -> dict:
+    """Every user's windows against the reference from the events the log says were added (or found already there)."""
+    lost = double = mismatched = 0
+    lost_amount = 0.0
+    for user in range(users):
+        expected = FRAUD_VELOCITY.reference(read_now, [(t, {"amount": a}) for _, u, t, a, o in log if u == user and o in ("added", "duplicate")])
         got = store.read(user, now=read_now)
         bad = False
         for name in ("txn_count_1h", "txn_count_24h"):
@@ -242,13 +183,8 @@ def exact_run(mode: str, args, workdir: Path, *, outage: bool = False) -> dict:
             if abs(got[name] - expected[name]) > 1e-6 * max(1.0, abs(expected[name])):
                 bad = True
                 lost_amount += max(0.0, expected[name] - got[name])
-        mismatched_users += bad
-    server.stop()
-    return {
-        "mode": mode, "outage": outage, "events": len(log), "outcomes": outcomes, "retries": retries,
-        "lost_counts": lost, "double_counts": double, "lost_amount": round(lost_amount, 2), "users_mismatched": mismatched_users,
-        "write_s": write_s, "events_per_s": len(log) / write_s, "outage_s": outage_s,
-    }
+        mismatched += bad
+    return {"lost_counts": lost, "double_counts": double, "lost_amount": round(lost_amount, 2), "users_mismatched": mismatched}
 
 
 # --- the fraud path's store part -------------------------------------------------------------------
@@ -322,9 +258,7 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench_velocity_"))
     try:
-        runs = [] if args.only_fetch else [exact_run(mode, args, workdir) for mode in ("lua", "optimistic", "rmw")]
-        if not args.only_fetch:
-            runs.append(exact_run("lua", args, workdir, outage=True))
+        runs = [] if args.only_fetch else [exact_run(args, workdir), exact_run(args, workdir, outage=True)]
         fetch = None if args.skip_fetch else asyncio.run(fetch_runs(workdir, args.fetch_seconds, args.rounds))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -338,13 +272,20 @@ def main() -> None:
         f"Machine: {data['machine']['cpus']} CPUs, {data['machine']['cpu_model']}, commit {data['machine']['commit']}, {data['machine']['date']}.",
         "",
         *table(
-            ["write", "Redis restart", "added", "duplicate", "expired", "failed", "lost counts", "double counts", "users wrong", "conflict retries", "events/s (4 procs)"],
-            [[r["mode"], f"yes ({r['outage_s']:.1f} s down)" if r["outage"] else "no", r["outcomes"]["added"], r["outcomes"]["duplicate"],
-              r["outcomes"]["expired"], r["outcomes"]["failed"], r["lost_counts"], r["double_counts"], r["users_mismatched"], r["retries"], f"{r['events_per_s']:.0f}"] for r in runs],
+            ["Redis restart", "added", "duplicate", "expired", "failed", "failed, yet landed (their retry: duplicate)", "lost counts", "double counts",
+             "users wrong", f"events/s ({args.replicas} procs)"],
+            [[f"yes ({r['outage_s']:.1f} s down)" if r["outage"] else "no", r["outcomes"]["added"], r["outcomes"]["duplicate"],
+              r["outcomes"]["expired"], r["outcomes"]["failed"],
+              (r.get("retry_of_failed") or {}).get("duplicate", "–"), r["lost_counts"], r["double_counts"], r["users_mismatched"], f"{r['events_per_s']:.0f}"] for r in runs],
         ),
         "",
-        "`lua` is scorestack.features.velocity (one atomic script per event, an idempotency marker per event id); "
-        "`optimistic` is WATCH/MULTI/EXEC with retry on conflict; `rmw` is the old read-modify-write, for contrast.",
+        "Writes through scorestack.features.velocity: one atomic script per event, an idempotency marker per event id. The study that chose it "
+        "over WATCH/MULTI/EXEC with retry and the old read-modify-write (which lost counts): [velocity_write_modes.md](velocity_write_modes.md). "
+        "A failed write is unconfirmed: the Redis kill can fall after a script applied and before its reply, so the restart run sends every "
+        "failed event again with its id once Redis is back (what a service does with its failed log); the marker answers duplicate for those "
+        "that had landed. Lost and double counts are checked after that retry; before it: "
+        + "; ".join(f"lost {r['before_retry']['lost_counts']}, landed though reported failed {r['before_retry']['double_counts']}" for r in runs if r.get("before_retry"))
+        + ".",
     ]
     if fetch:
         off, on = fetch["off"], fetch["on"]

@@ -333,7 +333,7 @@ class WorkerError(RuntimeError):
 
 class Workers:
     """`n` processes (spawned: no fork after gRPC exists in the parent), each holding a session built once by
-    `factory` ("module:function", called as function(settings, index) -> async context manager whose value has
+    `factory` ("module:callable", called as callable(settings, index) -> async context manager whose value has
     `send(i)` and `classify(exc)`). `cpus`: pin the workers (one core each when there are enough, else the set).
     Commands go to all of them at once and their results come back as a list."""
 

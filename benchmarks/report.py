@@ -174,65 +174,61 @@ RANKING_500_P99_MS = 10.0
 
 
 def default_window_label(ranking: dict) -> str | None:
-    """The ranking variant measured with the client's default chunk window (its label says 'default'); `ranking` maps a
-    candidate count to its variants. bench_request_path's run-to-run summary finds it the same way."""
+    """The chunk plan measured with the client's default window (its label says 'default'); `ranking` maps a
+    candidate count to its plans."""
     return next((k for k in next(iter(ranking.values()), {}) if "default" in k), None)
 
 
 def evaluate_request_path(data: dict) -> list[dict]:
-    """Fraud end to end at concurrency 1 and ranking 1 x N from results/request_path.json, per placement:
-    the target judged on the worst round (p50 and p99 of every round must meet it)."""
+    """Fraud end to end at concurrency 1 (the gRPC path) and ranking 1 x N by chunk plan from results/e2e.json,
+    each target judged on the worst round (p50 and p99 of every round must meet it)."""
     rows: list[dict] = []
     p50_target, p99_target = E2E_FRAUD_C1
-    for _placement, runs in (data.get("paths") or {}).items():
-        if not runs:
-            continue
-        cpus = runs[0].get("cpus") or {}
-        where = ("client and server sharing the cores" if cpus.get("client") == cpus.get("server")
-                 else f"client on cores {cpus.get('client')}, Triton on cores {cpus.get('server')}")
-        if runs[0].get("event_loop"):
-            where += f", client event loop {runs[0]['event_loop']}"
-        c1 = [r["fraud"]["concurrency_1"] for r in runs if (r.get("fraud") or {}).get("concurrency_1")]
-        if c1:
-            p50s, p99s = [c["p50_ms"] for c in c1], [c["p99_ms"] for c in c1]
-            failed = sum(sum(c.get("errors", {}).values()) for c in c1)
-            met = max(p50s) <= p50_target and max(p99s) <= p99_target and failed == 0
-            phases = {k: sum(c["phases_mean_ms"][k] for c in c1) / len(c1) for k in c1[0]["phases_mean_ms"]}
-            rows.append({
-                "target": f"fraud end to end, concurrency 1 ({where}): p50 <= {p50_target} ms and p99 <= {p99_target} ms",
-                "met": met,
-                "measured": f"p50 {_rng([min(p50s), max(p50s)])} ms, p99 {_rng([min(p99s), max(p99s)])} ms over {len(c1)} rounds "
-                            f"({sum(c['served'] for c in c1)} requests, {failed} failed)",
-                "phase": "–" if met else "mean phases ms: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
-                         + f" (largest: {max(phases, key=phases.get)})",
-            })
-        window = default_window_label(runs[0].get("ranking") or {})
-        if window is None:
-            continue
-        per_count: dict[str, list[dict]] = {}
-        for r in runs:
-            for key, variants in (r.get("ranking") or {}).items():
-                if window in variants:
-                    per_count.setdefault(key, []).append(variants[window])
-        counts = sorted(per_count, key=lambda k: int(k.split("_")[-1]))
-        rejected = {k: sum(v["rejected"] for v in per_count[k]) for k in counts}
-        served = {k: sum(v["served"] for v in per_count[k]) for k in counts}
+    rounds = data.get("rounds") or []
+    where = "gRPC, client and Triton sharing the cores"
+    c1 = [r["scorestack"]["c1"] for r in rounds if (r.get("scorestack") or {}).get("c1")]
+    if c1:
+        p50s, p99s = [c["p50_ms"] for c in c1], [c["p99_ms"] for c in c1]
+        failed = sum(c["failed"] for c in c1)
+        met = max(p50s) <= p50_target and max(p99s) <= p99_target and failed == 0
+        measured = [c["phases_mean_ms"] for c in c1 if c.get("phases_mean_ms")]
+        phases = {k: sum(m[k] for m in measured) / len(measured) for k in measured[0]} if measured else {}
         rows.append({
-            "target": f"ranking at concurrency 1 ({where}): zero rejections for every candidate count, client default chunk window ({window})",
-            "met": not any(rejected.values()),
-            "measured": "; ".join(f"{k.split('_')[-1]}: {rejected[k]} rejected of {served[k] + rejected[k]}" for k in counts),
-            "phase": "–" if not any(rejected.values()) else "queue policy: a request's own chunks queued past the model's queue timeout",
+            "target": f"fraud end to end, concurrency 1 ({where}): p50 <= {p50_target} ms and p99 <= {p99_target} ms",
+            "met": met,
+            "measured": f"p50 {_rng([min(p50s), max(p50s)])} ms, p99 {_rng([min(p99s), max(p99s)])} ms over {len(c1)} rounds "
+                        f"({sum(c['served'] for c in c1)} requests, {failed} failed)",
+            "phase": "–" if met else ("mean phases ms: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+                                      + f" (largest: {max(phases, key=phases.get)})" if phases else "phases not measured"),
         })
-        five = per_count.get("candidates_500")
-        if five:
-            p99 = max(v["total_p99_ms"] for v in five)
-            rows.append({
-                "target": f"ranking 1 x 500 end to end ({where}): p99 <= {RANKING_500_P99_MS:g} ms",
-                "met": p99 <= RANKING_500_P99_MS,
-                "measured": f"p99 {_rng([min(v['total_p99_ms'] for v in five), p99])} ms, p50 "
-                            f"{_rng([min(v['total_p50_ms'] for v in five), max(v['total_p50_ms'] for v in five)])} ms over {len(five)} rounds",
-                "phase": "–" if p99 <= RANKING_500_P99_MS else "infer (chunks of max_batch_size through the batcher)",
-            })
+    plans = [r["chunk_plans"] for r in rounds if r.get("chunk_plans")]
+    window = default_window_label(plans[0]) if plans else None
+    if window is None:
+        return rows
+    per_count: dict[str, list[dict]] = {}
+    for plan in plans:
+        for key, variants in plan.items():
+            if window in variants:
+                per_count.setdefault(key, []).append(variants[window])
+    counts = sorted(per_count, key=lambda k: int(k.split("_")[-1]))
+    rejected = {k: sum(v["rejected"] for v in per_count[k]) for k in counts}
+    served = {k: sum(v["served"] for v in per_count[k]) for k in counts}
+    rows.append({
+        "target": f"ranking at concurrency 1 ({where}): zero rejections for every candidate count, client default chunk window ({window})",
+        "met": not any(rejected.values()),
+        "measured": "; ".join(f"{k.split('_')[-1]}: {rejected[k]} rejected of {served[k] + rejected[k]}" for k in counts),
+        "phase": "–" if not any(rejected.values()) else "queue policy: a request's own chunks queued past the model's queue timeout",
+    })
+    five = [v for v in per_count.get("candidates_500", []) if v["total_p99_ms"] is not None]
+    if five:
+        p99 = max(v["total_p99_ms"] for v in five)
+        rows.append({
+            "target": f"ranking 1 x 500 end to end ({where}): p99 <= {RANKING_500_P99_MS:g} ms",
+            "met": p99 <= RANKING_500_P99_MS,
+            "measured": f"p99 {_rng([min(v['total_p99_ms'] for v in five), p99])} ms, p50 "
+                        f"{_rng([min(v['total_p50_ms'] for v in five), max(v['total_p50_ms'] for v in five)])} ms over {len(five)} rounds",
+            "phase": "–" if p99 <= RANKING_500_P99_MS else "infer (chunks of max_batch_size through the batcher)",
+        })
     return rows
 
 
@@ -271,7 +267,7 @@ def render_other_targets(results: Path) -> list[str]:
     """Issue 14's targets measured outside the peers run, from their own results files (absent files are said so)."""
     rows: list[tuple[str, dict]] = []
     missing = []
-    for name, evaluate in (("request_path.json", evaluate_request_path), ("admission.json", evaluate_admission)):
+    for name, evaluate in (("e2e.json", evaluate_request_path), ("admission.json", evaluate_admission)):
         path = results / name
         if not path.exists():
             missing.append(name)
@@ -282,7 +278,7 @@ def render_other_targets(results: Path) -> list[str]:
     if not rows and not missing:
         return []
     lines = ["## The request path's targets: end to end, ranking, overload through the client", "",
-             "From the results files named in the first column (`benchmarks/bench_request_path.py`, `benchmarks/bench_admission.py`); "
+             "From the results files named in the first column (`benchmarks/bench_e2e.py`, `benchmarks/bench_admission.py`); "
              "each target is judged on its worst round.", "",
              "| source | target | met | measured | where a miss is held |", "|---|---|---|---|---|"]
     for source, r in rows:

@@ -38,8 +38,6 @@ from scorestack.client.triton import TritonClient
 from scorestack.features.fetch import FeatureFetcher
 from scorestack.serve import LocalTriton
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 # Verdict thresholds (the brief of the soak): printed, and enforced only with --check.
 MAX_ERRORS = 0
 MAX_MEMORY_GROWTH_PCT = 5.0
@@ -50,14 +48,14 @@ SHARED_OTHER_PCT = 25.0
 # --- the client side: a harness session running the real fraud request path ----------------------------
 
 
-class _FraudSession:
+class FraudSession:
     """A client process: its own event loop, Triton client, feature fetcher and fraud service (a fraud
     service scales out the same way, by processes), and the record of its garbage-collection pauses."""
 
     def __init__(self, s: dict[str, Any], index: int) -> None:
         self.s, self.index = s, index
 
-    async def __aenter__(self) -> "_FraudSession":
+    async def __aenter__(self) -> "FraudSession":
         s = self.s
         # Transactions and users drawn once: the request loop should cost the request path, not numpy.
         rng = np.random.default_rng(self.index)
@@ -93,10 +91,6 @@ class _FraudSession:
         return [(w, self.gc.between(t0 + w.start_s, t0 + w.end_s if k < len(rows) - 1 else float("inf"))) for k, w in enumerate(rows)]
 
 
-def session(settings: dict[str, Any], index: int) -> _FraudSession:
-    return _FraudSession(settings, index)
-
-
 def pooled_closed_loop(pool: harness.Workers, concurrency: int, seconds: float) -> dict[str, Any]:
     parts = pool.run("closed", [{"concurrency": max(1, c), "duration_s": seconds} for c in harness.split(concurrency, pool.n)], timeout_s=seconds + 120)
     t = harness.Tally.merge(parts)
@@ -104,9 +98,8 @@ def pooled_closed_loop(pool: harness.Workers, concurrency: int, seconds: float) 
             "error_samples": t.error_samples, "rps": t.ok / max(t.wall_s, 1e-9)}
 
 
-def pooled_open_loop(
-    pool: harness.Workers, *, rate: float, duration_s: float, window_s: float, max_inflight: int, late_after_ms: float, server_pid: int
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def pooled_open_loop(pool: harness.Workers, *, rate: float, duration_s: float, window_s: float, max_inflight: int, late_after_ms: float,
+                     server_pid: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The open loop at `rate`, its evenly spaced schedule interleaved over every client (client j sends
     requests j, j + n, ...); this process samples memory and CPU at the window boundaries while the clients
     send, then merges the clients' windows."""
@@ -161,17 +154,14 @@ def latency_budget_ms(repository: Path, model: str) -> tuple[float, str]:
         return DEFAULT_BUDGET_MS, f"a default budget (no latency_budget_ms in {report})"
 
 
-def sustainable_maximum(
-    pool: harness.Workers, closed_rps: float, *, step_s: float, max_inflight: int, late_after_ms: float, server_pid: int, p99_budget_ms: float,
-    budget_source: str = "the model's latency budget",
-) -> dict[str, Any]:
+def sustainable_maximum(pool: harness.Workers, closed_rps: float, *, step_s: float, max_inflight: int, late_after_ms: float, server_pid: int,
+                        p99_budget_ms: float, budget_source: str = "the model's latency budget") -> dict[str, Any]:
     """The highest open-loop rate, stepping down from the closed-loop maximum, that the stack keeps up with."""
     steps = []
     for fraction in STEP_FRACTIONS:
         rate = fraction * closed_rps
-        rows, counts = pooled_open_loop(
-            pool, rate=rate, duration_s=step_s, window_s=step_s, max_inflight=max_inflight, late_after_ms=late_after_ms, server_pid=server_pid
-        )
+        rows, counts = pooled_open_loop(pool, rate=rate, duration_s=step_s, window_s=step_s, max_inflight=max_inflight, late_after_ms=late_after_ms,
+                                        server_pid=server_pid)
         (row,) = rows
         errors = sum(row["errors"].values()) + counts["unsent"]
         late_share = row["late"] / max(1, row["sent"])
@@ -216,27 +206,10 @@ def verdict(rows: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str, Any
     return figures
 
 
-def run_soak(
-    duration_s: float,
-    window_s: float,
-    *,
-    server: LocalTriton,
-    feature_repo: str | os.PathLike[str],
-    utilization: float = 0.7,
-    clients: int = 2,
-    concurrency: int = 16,
-    max_seconds: float = 15.0,
-    warmup_s: float = 3.0,
-    max_inflight: int = 1024,
-    late_after_ms: float = 10.0,
-    n_users: int = 5000,
-    model: str = "fraud_xgb",
-    fetch_timeout_s: float = 0.05,
-    deadline_s: float = 2.0,
-    gc_freeze: bool = True,
-    step_s: float = 8.0,
-    p99_budget_ms: float | None = None,
-) -> dict[str, Any]:
+def run_soak(duration_s: float, window_s: float, *, server: LocalTriton, feature_repo: str | os.PathLike[str], utilization: float = 0.7, clients: int = 2,
+             concurrency: int = 16, max_seconds: float = 15.0, warmup_s: float = 3.0, max_inflight: int = 1024, late_after_ms: float = 10.0,
+             n_users: int = 5000, model: str = "fraud_xgb", fetch_timeout_s: float = 0.05, deadline_s: float = 2.0, gc_freeze: bool = True,
+             step_s: float = 8.0, p99_budget_ms: float | None = None) -> dict[str, Any]:
     """Soak the running `server` (a started LocalTriton) with fraud requests; return the results dict.
 
     The load comes from `clients` processes, each running the real request path (its own event
@@ -254,15 +227,9 @@ def run_soak(
         raise ValueError(f"utilization must be within (0, 1], got {utilization}")
     assert server.process is not None, "the server is not running"
     server_pid = server.process.pid
-    settings = {
-        "grpc_url": server.grpc_url,
-        "feature_repo": str(Path(feature_repo)),
-        "model": model,
-        "n_users": n_users,
-        "fetch_timeout_s": fetch_timeout_s,
-        "deadline_s": deadline_s,
-    }
-    pool = harness.Workers(clients, "soak:session", settings)
+    settings = {"grpc_url": server.grpc_url, "feature_repo": str(Path(feature_repo)), "model": model, "n_users": n_users,
+                "fetch_timeout_s": fetch_timeout_s, "deadline_s": deadline_s}
+    pool = harness.Workers(clients, "soak:FraudSession", settings)
     try:
         warmup = pooled_closed_loop(pool, concurrency, warmup_s)
         if gc_freeze:
@@ -273,55 +240,30 @@ def run_soak(
         # per request (same-turn feature coalescing and dynamic batching find less to join).
         maximum["cpu"] = meter.lap()
         budget, source = (p99_budget_ms, "--p99-budget-ms") if p99_budget_ms is not None else latency_budget_ms(server.repository, model)
-        sustained = sustainable_maximum(
-            pool, maximum["rps"], step_s=step_s, max_inflight=max_inflight, late_after_ms=late_after_ms, server_pid=server_pid,
-            p99_budget_ms=budget, budget_source=source,
-        )
+        sustained = sustainable_maximum(pool, maximum["rps"], step_s=step_s, max_inflight=max_inflight, late_after_ms=late_after_ms, server_pid=server_pid,
+                                        p99_budget_ms=budget, budget_source=source)
         rate = utilization * sustained["rps"]
         before = harness.memory(server_pid, pool.pids)
-        rows, counts = pooled_open_loop(
-            pool, rate=rate, duration_s=duration_s, window_s=window_s, max_inflight=max_inflight, late_after_ms=late_after_ms, server_pid=server_pid
-        )
+        rows, counts = pooled_open_loop(pool, rate=rate, duration_s=duration_s, window_s=window_s, max_inflight=max_inflight, late_after_ms=late_after_ms,
+                                        server_pid=server_pid)
     finally:
         pool.close()
 
     errors: Counter[str] = Counter()
     for row in rows:
         errors.update(row["errors"])
-    totals = {
-        **counts,
-        "ok": sum(r["ok"] for r in rows),
-        "errors": dict(errors),
-        "errors_total": sum(errors.values()),
-        "degraded": sum(r["degraded"] for r in rows),
-        "late": sum(r["late"] for r in rows),
-    }
+    totals = {**counts, "ok": sum(r["ok"] for r in rows), "errors": dict(errors), "errors_total": sum(errors.values()),
+              "degraded": sum(r["degraded"] for r in rows), "late": sum(r["late"] for r in rows)}
     # Nothing silently lost: every request sent was answered or failed with a counted error.
     totals["accounted"] = totals["sent"] == totals["ok"] + totals["errors_total"]
     return {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "settings": {
-            "duration_s": duration_s,
-            "window_s": window_s,
-            "utilization": utilization,
-            "clients": clients,
-            "rate_rps": round(rate, 1),
-            "max_throughput": {**maximum, "rps": round(maximum["rps"], 1)},
-            "sustainable_max": {**sustained, "rps": round(sustained["rps"], 1)},
-            "warmup": {**warmup, "rps": round(warmup["rps"], 1)},
-            "max_inflight": max_inflight,
-            "late_after_ms": late_after_ms,
-            "model": model,
-            "n_users": n_users,
-            "fetch_timeout_s": fetch_timeout_s,
-            "deadline_s": deadline_s,
-            "gc_freeze": gc_freeze,
-            "latency": "from each request's due time (open loop), answered requests only",
-        },
-        "memory_before_open_loop": before,
-        "windows": rows,
-        "totals": totals,
-        "verdict": verdict(rows, totals),
+        "settings": {"duration_s": duration_s, "window_s": window_s, "utilization": utilization, "clients": clients, "rate_rps": round(rate, 1),
+                     "max_throughput": {**maximum, "rps": round(maximum["rps"], 1)}, "sustainable_max": {**sustained, "rps": round(sustained["rps"], 1)},
+                     "warmup": {**warmup, "rps": round(warmup["rps"], 1)}, "max_inflight": max_inflight, "late_after_ms": late_after_ms, "model": model,
+                     "n_users": n_users, "fetch_timeout_s": fetch_timeout_s, "deadline_s": deadline_s, "gc_freeze": gc_freeze,
+                     "latency": "from each request's due time (open loop), answered requests only"},
+        "memory_before_open_loop": before, "windows": rows, "totals": totals, "verdict": verdict(rows, totals),
     }
 
 
@@ -356,15 +298,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"- clients: {s.get('clients', 1)} processes, each running the fraud request path (own event loop, Triton client, feature fetcher); the open-loop schedule is interleaved over them",
         f"- maximum throughput: {mx['rps']} req/s (closed loop, concurrency {mx['concurrency']}, {mx['seconds']} s, {mx['ok']} answered, errors {mx['errors'] or 0}; "
         f"CPU % clients (busiest loop thread) / server / other: {mx['cpu']['client_pct']:.0f} ({mx['cpu']['client_loop_thread_pct']:.0f}) / {mx['cpu']['server_pct']:.0f} / {mx['cpu']['other_pct']:.0f})",
-        *(
-            [
-                f"- sustainable maximum: {s['sustainable_max']['rps']} req/s (open loop, steps of {s['sustainable_max']['step_s']:g} s down from the closed-loop maximum; "
-                f"kept up = {s['sustainable_max']['criterion']}): "
-                + ", ".join(f"{st['fraction']:.0%} {st['rate_rps']} req/s {'kept up' if st['kept_up'] else 'fell behind'} (late {st['late_share']:.1%}, errors {st['errors']}, p99 {_ms(st['p99_ms'])} ms)" for st in s["sustainable_max"]["steps"])
-            ]
-            if "sustainable_max" in s
-            else []
-        ),
+        *([f"- sustainable maximum: {s['sustainable_max']['rps']} req/s (open loop, steps of {s['sustainable_max']['step_s']:g} s down from the closed-loop maximum; "
+           f"kept up = {s['sustainable_max']['criterion']}): " + ", ".join(
+               f"{st['fraction']:.0%} {st['rate_rps']} req/s {'kept up' if st['kept_up'] else 'fell behind'} (late {st['late_share']:.1%}, errors {st['errors']}, "
+               f"p99 {_ms(st['p99_ms'])} ms)" for st in s["sustainable_max"]["steps"])] if "sustainable_max" in s else []),
         f"- open-loop rate: **{s['rate_rps']} req/s** ({s['utilization']:.0%} of the sustainable maximum) for {s['duration_s']:g} s, windows of {s['window_s']:g} s; in-flight cap {s['max_inflight']}, "
         f"late = started > {s['late_after_ms']:g} ms after its due time" + ("; client heap frozen after warm-up (gc.freeze)" if s.get("gc_freeze") else ""),
         f"- requests: scheduled {t['scheduled']}, sent {t['sent']}, answered {t['ok']}, errors {t['errors_total']} {t['errors'] or ''}, "
@@ -375,8 +312,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["windows"]:
-        mem = r["memory"]
-        errs = sum(r["errors"].values())
+        mem, errs = r["memory"], sum(r["errors"].values())
         err_text = f"{errs} {r['errors']}" if errs else "0"
         lines.append(
             f"| {r['window']} | {r['end_s']:.1f} | {r['sent']} | {r['ok']} | {err_text} | {r['degraded']} | {r['late']} | {r['lag_max_ms']:.1f} | {r['ok_rps']} | "
@@ -447,11 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-inflight", type=int, default=1024, help="cap on requests in flight; a request waiting for a slot starts late")
     ap.add_argument("--late-after-ms", type=float, default=10.0, help="a request started this long after its due time counts as late")
     ap.add_argument("--users", type=int, default=5000, help="users materialized into Redis; requests pick among them")
-    ap.add_argument(
-        "--gc-freeze", action=argparse.BooleanOptionalAction, default=True, help="gc.freeze() the client heap after the warm-up, as a service should (default on)"
-    )
+    ap.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True, help="gc.freeze() the client heap after the warm-up, as a service should (default on)")
     ap.add_argument("--out-name", help="results/<name>.{json,md} (default soak, or soak_short under 3 minutes)")
-    ap.add_argument("--results-dir", type=Path, default=RESULTS, help=f"where to write (default {RESULTS})")
+    ap.add_argument("--results-dir", type=Path, default=harness.RESULTS, help=f"where to write (default {harness.RESULTS})")
     ap.add_argument("--recompile", action="store_true", help="run the compiler even when the workspace has the model")
     ap.add_argument("--check", action="store_true", help="exit 1 when a verdict check fails")
     args = ap.parse_args(argv)
@@ -464,22 +398,9 @@ def main(argv: list[str] | None = None) -> int:
 
     repository, feature_repo = _prepare(redis_url, args.users, args.recompile)
     with LocalTriton(repository, models=["fraud_xgb"], exit_timeout_s=0) as server:
-        result = run_soak(
-            duration,
-            window,
-            server=server,
-            feature_repo=feature_repo,
-            utilization=args.utilization,
-            clients=args.clients,
-            concurrency=args.concurrency,
-            max_seconds=args.max_seconds,
-            max_inflight=args.max_inflight,
-            late_after_ms=args.late_after_ms,
-            n_users=args.users,
-            gc_freeze=args.gc_freeze,
-            step_s=args.step_seconds,
-            p99_budget_ms=args.p99_budget_ms,
-        )
+        result = run_soak(duration, window, server=server, feature_repo=feature_repo, utilization=args.utilization, clients=args.clients,
+                          concurrency=args.concurrency, max_seconds=args.max_seconds, max_inflight=args.max_inflight, late_after_ms=args.late_after_ms,
+                          n_users=args.users, gc_freeze=args.gc_freeze, step_s=args.step_seconds, p99_budget_ms=args.p99_budget_ms)
     json_path, md_path = harness.write_results(out_name, result, render_markdown(result), args.results_dir)
     print(render_markdown(result))
     print(f"wrote {json_path} and {md_path}")

@@ -34,7 +34,7 @@ class RankingService(ScoringPath):
     """Ranks candidates for a user: user and item features in one concurrent fetch, batched inference.
 
     Lists longer than `chunk_size` (default: the model's max_batch_size) are split into chunks that
-    Triton scores concurrently. `benchmarks/bench_request_path.py` measures chunk sizes: on 2 cores
+    Triton scores concurrently. `benchmarks/bench_e2e.py` measures chunk plans: on 2 cores
     the largest chunk the model accepts was fastest (1000 candidates: 5.4 ms p50 in chunks of 200
     against 8.7 ms in chunks of 50, and fewer queue-timeout rejections), so smaller chunks are
     opt-in for machines with more cores.

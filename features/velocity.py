@@ -9,7 +9,7 @@ Here every event is one atomic write into the bucket of *its own* event time:
   (`HINCRBYFLOAT`). Redis runs a script atomically, so any number of writer processes add exactly
   once each, and a retry after a lost reply cannot double count (the marker is already there).
   Measured against an optimistic WATCH/MULTI transaction with retry and against the old
-  read-modify-write in benchmarks/bench_velocity.py (results/velocity.md).
+  read-modify-write (benchmarks/results/velocity_write_modes.md).
 - SQLite (the embedded default, one process): `INSERT ... ON CONFLICT DO UPDATE SET v = v + ?`
   in one transaction, with the event id as a primary key for the same idempotency.
 

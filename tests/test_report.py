@@ -10,49 +10,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import report
 
 
-def _fraud(p50: float, p99: float, errors: dict | None = None) -> dict:
-    return {"concurrency_1": {"p50_ms": p50, "p99_ms": p99, "served": 400, "errors": errors or {},
-                              "phases_mean_ms": {"features": 0.4, "client": 0.03, "queue": 0.07, "compute": 0.08, "network": 0.45}}}
-
-
-def _ranking(rejected_1000: int, p99_500: float) -> dict:
+def _round(p50: float, p99: float, rejected_1000: int = 0, p99_500: float = 3.0, failed: int = 0) -> dict:
     def v(rejected: int, p99: float = 3.0) -> dict:
-        return {"4 in flight (instances, default)": {"chunks": 1, "served": 15 - rejected, "rejected": rejected,
-                                                      "total_p50_ms": 2.0, "total_p99_ms": p99},
+        return {"4 in flight (instances - 1, default)": {"chunks": 1, "served": 15 - rejected, "rejected": rejected,
+                                                          "total_p50_ms": 2.0, "total_p99_ms": p99},
                 "all at once": {"chunks": 1, "served": 10, "rejected": 5, "total_p50_ms": 1.0, "total_p99_ms": 99.0}}
-    return {"candidates_100": v(0), "candidates_500": v(0, p99_500), "candidates_1000": v(rejected_1000)}
+    return {"scorestack": {"c1": {"p50_ms": p50, "p99_ms": p99, "served": 400, "failed": failed,
+                                  "phases_mean_ms": {"features": 0.4, "client": 0.03, "queue": 0.07, "compute": 0.08, "network": 0.45}}},
+            "chunk_plans": {"candidates_100": v(0), "candidates_500": v(0, p99_500), "candidates_1000": v(rejected_1000)}}
 
 
 def _rows(data: dict) -> dict[str, dict]:
-    return {r["target"].split(" (")[0] + ("" if "sharing" in r["target"] else " split"): r for r in report.evaluate_request_path(data)}
+    return {r["target"].split(" (")[0]: r for r in report.evaluate_request_path(data)}
 
 
 def test_request_path_targets_are_judged_on_the_worst_round():
-    shared = {"client": [0, 1], "server": [0, 1]}
-    split = {"client": [0], "server": [1]}
-    data = {"paths": {
-        "shared": [{"cpus": shared, "fraud": _fraud(0.95, 1.2), "ranking": _ranking(0, 4.0)},
-                   {"cpus": shared, "fraud": _fraud(1.02, 1.3), "ranking": _ranking(0, 11.0)}],
-        "split": [{"cpus": split, "fraud": _fraud(0.8, 1.0), "ranking": _ranking(1, 4.0)},
-                  {"cpus": split, "fraud": _fraud(0.85, 1.1), "ranking": _ranking(0, 5.0)}],
-    }}
-    rows = _rows(data)
+    rows = _rows({"rounds": [_round(0.95, 1.2, p99_500=4.0), _round(1.02, 1.3, p99_500=11.0)]})
     fraud = rows["fraud end to end, concurrency 1"]
     assert fraud["met"] is False  # round 2's p50 1.02 > 1.0
     assert "p50 0.950–1.020 ms" in fraud["measured"] and "800 requests, 0 failed" in fraud["measured"]
     assert "largest: network" in fraud["phase"]
-    assert rows["fraud end to end, concurrency 1 split"]["met"] is True
     # The default window is the one judged ("all at once" rejects 5 and is ignored).
     assert rows["ranking at concurrency 1"]["met"] is True
     assert "1000: 0 rejected of 30" in rows["ranking at concurrency 1"]["measured"]
-    assert rows["ranking at concurrency 1 split"]["met"] is False
-    assert "1000: 1 rejected of 30" in rows["ranking at concurrency 1 split"]["measured"]
     assert rows["ranking 1 x 500 end to end"]["met"] is False  # 11 ms in round 2
-    assert rows["ranking 1 x 500 end to end split"]["met"] is True
+    rows = _rows({"rounds": [_round(0.8, 1.0, rejected_1000=1), _round(0.85, 1.1, p99_500=5.0)]})
+    assert rows["fraud end to end, concurrency 1"]["met"] is True
+    assert rows["ranking at concurrency 1"]["met"] is False
+    assert "1000: 1 rejected of 30" in rows["ranking at concurrency 1"]["measured"]
+    assert rows["ranking 1 x 500 end to end"]["met"] is True
 
 
 def test_a_failed_request_misses_the_fraud_target_even_when_fast():
-    data = {"paths": {"shared": [{"cpus": {"client": [0, 1], "server": [0, 1]}, "fraud": _fraud(0.5, 0.9, {"rejected": 1})}]}}
+    data = {"rounds": [{"scorestack": _round(0.5, 0.9, failed=1)["scorestack"]}]}
     (row,) = report.evaluate_request_path(data)
     assert row["met"] is False and "1 failed" in row["measured"]
 
@@ -79,6 +69,6 @@ def test_admission_targets_need_shedding_and_the_budget_in_every_round():
 
 
 def test_the_report_says_which_results_are_absent(tmp_path):
-    (tmp_path / "request_path.json").write_text(json.dumps({"paths": {}, "machine": {"date": "d"}}))
+    (tmp_path / "e2e.json").write_text(json.dumps({"rounds": [], "machine": {"date": "d"}}))
     lines = report.render_other_targets(tmp_path)
     assert any("admission.json | – | not measured" in ln for ln in lines)

@@ -26,6 +26,7 @@ from typing import Callable
 
 from peers.model import FraudModel
 from scorestack.errors import ServerError
+from scorestack.serve.ports import free_port
 from scorestack.serve.readiness import all_of, http_ok, port_open, process_exit, wait_until
 
 HERE = Path(__file__).resolve().parent
@@ -48,12 +49,6 @@ class Peer:
     stats: Callable[[], dict | None] = field(default=lambda: None)  # executions / inferences so far (Triton)
     http_address: str = ""  # Triton: its HTTP endpoint beside the gRPC one
     output_name: str = ""
-
-
-def _free_port() -> int:
-    from scorestack.serve.server import free_port
-
-    return free_port()
 
 
 def _wait_ready(probe, proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> None:
@@ -231,7 +226,7 @@ def start_fastapi(runtime: str, model: FraudModel, run_dir: Path, threads: int =
     """FastAPI + uvicorn serving the fraud model (benchmarks/peers/fastapi_app.py): `endpoint` "async"
     (the strongest honest configuration) or "sync" (pydantic models, run in Starlette's threadpool)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     path = model.xgb_json if runtime == "xgboost" else model.onnx
     cmd = [sys.executable, str(HERE / "fastapi_app.py"), "--runtime", runtime, "--model", str(path), "--features",
            str(len(model.features)), "--threads", str(threads), "--endpoint", endpoint, "--workers", str(workers), "--port", str(port)]
@@ -276,7 +271,7 @@ def start_bentoml(model: FraudModel, run_dir: Path, log=print) -> Peer:
 
     env = bentoml_env(log=log)
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     logf = run_dir / "bentoml.log"
     penv = {**os.environ, "SCORESTACK_BENTO_MODEL": str(model.onnx), "BENTOML_HOME": str(run_dir / "bentoml_home"), "OMP_NUM_THREADS": "1"}
     penv.pop("PYTHONPATH", None)
