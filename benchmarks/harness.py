@@ -287,6 +287,10 @@ def _worker_main(conn, factory: str, settings: dict, index: int, cpus: list[int]
     os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client")
     if cpus:
         os.sched_setaffinity(0, cpus)
+    if settings.get("spin_us"):  # scorestack's spinning loop: polls before it sleeps
+        from scorestack.client.eventloop import run
+
+        return run(_worker_serve(conn, factory, settings, index), spin_us=settings["spin_us"])
     if settings.get("uvloop", True):
         try:
             import uvloop

@@ -167,16 +167,10 @@ def summarize(runs: list[dict]) -> dict:
     for r in runs:
         groups.setdefault((r["target"], r["mode"], str(r["point"])), []).append(r)
     out: dict = {}
+    med = lambda vals: statistics.median(vals) if vals else None
     for (target, mode, point), rs in groups.items():
-        def med(k, rs=rs):
-            vals = [r[k] for r in rs if r.get(k) is not None]
-            return statistics.median(vals) if vals else None
-
-        def stat(k, rs=rs):
-            vals = [r["server_stats"][k] for r in rs if (r.get("server_stats") or {}).get(k) is not None]
-            return statistics.median(vals) if vals else None
-
-        entry = {k: med(k) for k in ("throughput", "rate", "achieved_rate", "p50_ms", "p99_ms", "p999_ms", "max_ms", "client_cpu_cores",
+        stat = lambda k, rs=rs: med([r["server_stats"][k] for r in rs if (r.get("server_stats") or {}).get(k) is not None])
+        entry = {k: med([r[k] for r in rs if r.get(k) is not None]) for k in ("throughput", "rate", "achieved_rate", "p50_ms", "p99_ms", "p999_ms", "max_ms", "client_cpu_cores",
                                      "server_cpu_us_per_request", "server_cpu_cores")}
         entry.update(rounds=len(rs), requests=sum(r["requests"] for r in rs), errors=sum(r["errors"] for r in rs),
                      throughput_range=[min(r["throughput"] for r in rs), max(r["throughput"] for r in rs)],
@@ -200,14 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "peers.json")
     ap.add_argument("--recompile", action="store_true", help="compile the fraud model again even if its spec is unchanged")
     args = ap.parse_args(argv)
-    missing = loadgen.h2load_missing()
-    if missing:
+    if missing := loadgen.h2load_missing():
         ap.error(missing)
     rounds = args.rounds or (1 if args.quick else 2)
     duration = args.duration or (0.7 if args.quick else 2.0)
     names = tuple(t.strip() for t in args.targets.split(",") if t.strip())
-    unknown = [n for n in names if n not in TARGETS]
-    if unknown:
+    if unknown := [n for n in names if n not in TARGETS]:
         ap.error(f"--targets: unknown {unknown}; choose from {', '.join(TARGETS)}")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     fractions = [float(f) for f in args.open_fractions.split(",") if f]

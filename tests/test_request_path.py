@@ -250,6 +250,40 @@ def test_triton_in_process_scores_what_the_remote_server_scores(loop, services, 
     assert loop.run_until_complete(local.is_ready())
 
 
+def test_the_spinning_event_loop_serves_the_whole_request(loop, services, in_process, feature_repo):
+    """scorestack.client.eventloop: the fraud and ranking paths on the spinning loop (the direct Redis reader, Triton in
+    this process) answer what the plain loop's gRPC path answers, exactly; timers still fire while it spins (a wait_for
+    times out, the fetch layer's budget holds); a spin outside [0, 10000] µs is refused naming spin_us."""
+    from scorestack.client.eventloop import SpinningSelector, run, spinning_loop
+
+    _, _, fraud, ranking = services
+    users = [3, 21, 140]
+    want = [loop.run_until_complete(fraud.score(_transaction(i, u))) for i, u in enumerate(users)]
+    ranked_want = loop.run_until_complete(ranking.rank(5, list(range(1, 201)), _context(3)))
+
+    async def spin_side():
+        assert isinstance(asyncio.get_running_loop()._selector, SpinningSelector)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.sleep(10), 0.02)
+        async with FeatureFetcher.from_repo(feature_repo, timeout_s=0.5) as fetcher, TritonClient(in_process=in_process, deadline_s=2.0) as local:
+            fraud_spin = FraudService(local, fetcher, model="fraud_xgb")
+            got = [await fraud_spin.score(_transaction(i, u)) for i, u in enumerate(users)]
+            ranked = await RankingService(local, fetcher, model="ranking_xgb", max_candidates=1000, chunk_size=128).rank(5, list(range(1, 201)), _context(3))
+            return got, ranked
+
+    got, ranked = run(spin_side(), spin_us=50)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.features, w.features)
+        assert g.probability == w.probability and not g.degraded
+    assert list(ranked.item_ids) == list(ranked_want.item_ids)
+    np.testing.assert_array_equal(ranked.scores, ranked_want.scores)
+    with pytest.raises(ValueError, match="spin_us"):
+        spinning_loop(-1)
+    plain = spinning_loop(0)
+    assert not isinstance(plain._selector, SpinningSelector)
+    plain.close()
+
+
 def test_triton_in_process_errors_are_named(loop, in_process, compiled_demo, server_environment, tmp_path):
     from tritonclient.utils import InferenceServerException
 
