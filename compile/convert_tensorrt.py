@@ -59,7 +59,7 @@ def convert_tensorrt(source: SourceModel, workdir: Path, ctx: ConvertContext) ->
     return Artifact("tensorrt", "tensorrt", "tensorrt", "model.plan", path, notes=[f"TensorRT {trt.__version__}, profile 1/{OPT_BATCH}/{MAX_BATCH}"])
 
 
-for _family in ("xgboost", "sklearn-trees", "sklearn"):
+for _family in ("xgboost", "lightgbm", "sklearn-trees", "sklearn"):
     register_converter(_family, "tensorrt", convert_tensorrt)
 
 

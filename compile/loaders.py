@@ -27,6 +27,14 @@ SKLEARN_TREE_ENSEMBLES = (
     "HistGradientBoostingRegressor",
 )
 
+# LightGBM objectives by task, as the model text names them (`objective=binary sigmoid:1`: its first word).
+_LGB_OBJECTIVES = {
+    "binary": ("binary",),
+    "multiclass": ("multiclass", "multiclassova"),
+    "regression": ("regression", "regression_l1", "huber", "fair", "poisson", "quantile", "mape", "gamma", "tweedie"),
+    "ranking": ("lambdarank", "rank_xendcg"),
+}
+
 _XGB_OBJECTIVES = {
     "binary": ("binary:logistic",),
     "multiclass": ("multi:softprob",),
@@ -95,7 +103,7 @@ def load_source(spec: ModelSpec, source: str) -> SourceModel:
     fmt, path = spec.source.format, spec.source.path
     if spec.is_vision or fmt in ("torch-module", "torchscript", "onnx-model"):
         if not spec.is_vision:
-            raise SpecError(f"spec {source}: field `task`: a {fmt} source is an image model; set `task: image-classification` (tabular models come as xgboost-json, xgboost-ubj, joblib or pickle)")
+            raise SpecError(f"spec {source}: field `task`: a {fmt} source is an image model; set `task: image-classification` (tabular models come as xgboost-json, xgboost-ubj, lightgbm-text, joblib or pickle)")
         from .vision import load_vision_source
 
         return load_vision_source(spec, source)
@@ -106,6 +114,10 @@ def load_source(spec: ModelSpec, source: str) -> SourceModel:
     try:
         if fmt in ("xgboost-json", "xgboost-ubj"):
             obj = _load_xgboost_file(path)
+        elif fmt == "lightgbm-text":
+            import lightgbm as lgb
+
+            obj = lgb.Booster(model_file=str(path))
         elif fmt == "joblib":
             import joblib
 
@@ -131,6 +143,8 @@ def _library_message(exc: Exception) -> str:
 
 
 def _wrap(obj: Any, spec: ModelSpec, source: str) -> SourceModel:
+    if type(obj).__module__.split(".")[0] == "lightgbm":  # without importing lightgbm for other models
+        return _wrap_lightgbm(getattr(obj, "booster_", obj), spec, source)
     import xgboost as xgb
 
     if isinstance(obj, xgb.XGBModel):
@@ -161,6 +175,65 @@ def _wrap_xgboost(booster: Any, spec: ModelSpec, source: str) -> SourceModel:
         n_classes=n_classes,
         objective=objective,
         description=f"XGBoost Booster, objective {objective}, {rounds} boosting rounds",
+    )
+
+
+def _lgb_header(booster: Any) -> dict[str, str]:
+    """The model text's header lines (`key=value` up to the first tree)."""
+    head = booster.model_to_string(num_iteration=0).split("\nTree=")[0]
+    return dict(line.split("=", 1) for line in head.splitlines() if "=" in line)
+
+
+def _wrap_lightgbm(booster: Any, spec: ModelSpec, source: str) -> SourceModel:
+    import lightgbm as lgb
+
+    if not isinstance(booster, lgb.Booster):
+        raise SpecError(f"spec {source}: field `source.path`: the file holds a {type(booster).__name__} from lightgbm, not a fitted model; fit it before saving")
+    text = booster.model_to_string()
+    # No converter computes a linear tree's leaf (a linear function of the row): Treelite refuses the
+    # model and onnxmltools keeps only the leaves' constants, a silently different model.
+    if "\nis_linear=1" in text:
+        raise SpecError(
+            f"spec {source}: field `source.path`: {spec.source.path.name} is a LightGBM model trained with linear trees (`linear_tree=True`), "
+            "whose leaves are linear functions that neither Treelite (TL2cgen, tree kernel) nor ONNX can express; retrain with linear_tree=False "
+            "(more leaves or rounds usually recover the accuracy)"
+        )
+    # zero_as_missing=True: LightGBM scores 0.0 as missing (the split's default way). Treelite and
+    # onnxmltools compare it as a number (0.94 off on rows with a 0.0, exact on the others).
+    # decision_type's bits 2-3 are a split's missing type: 1 is "Zero".
+    if any((int(dt) >> 2) & 3 == 1 for line in text.splitlines() if line.startswith("decision_type=") for dt in line[14:].split()):
+        raise SpecError(
+            f"spec {source}: field `source.path`: {spec.source.path.name} is a LightGBM model trained with `zero_as_missing=True`, which scores "
+            "an input of 0.0 as missing; neither Treelite (TL2cgen, tree kernel) nor ONNX can express that (they compare 0.0 as a number); "
+            "retrain with zero_as_missing=False and send missing values as NaN"
+        )
+    header = _lgb_header(booster)
+    objective = header.get("objective", "custom").split()[0]
+    allowed = _LGB_OBJECTIVES[spec.task]
+    if objective not in allowed:
+        raise SpecError(
+            f"spec {source}: field `task`: the LightGBM model's objective is {objective!r}, which does not produce a {spec.task} output "
+            f"(expected {' or '.join(allowed)}); set `task` to match the model or retrain it"
+            + (" (a custom objective's raw scores have no defined transform: train with a built-in objective)" if objective == "custom" else "")
+        )
+    n_features = int(booster.num_feature())
+    names = booster.feature_name()
+    # LightGBM names unnamed columns Column_0, Column_1...: that is no name to check against the spec.
+    anonymous = all(n == f"Column_{i}" for i, n in enumerate(names))
+    _check_features(n_features, None if anonymous else list(names), spec, source)
+    num_class = int(header.get("num_class", "1"))
+    n_classes = num_class if spec.task == "multiclass" else (2 if spec.task == "binary" else None)
+    trees = int(booster.num_trees())
+    cats = " with categorical splits" if any(line.startswith("num_cat=") and line != "num_cat=0" for line in text.splitlines()) else ""
+    return SourceModel(
+        name=spec.name,
+        task=spec.task,
+        family="lightgbm",
+        model=booster,
+        n_features=n_features,
+        n_classes=n_classes,
+        objective=objective,
+        description=f"LightGBM Booster, objective {objective}, {trees} trees{cats}",
     )
 
 

@@ -12,14 +12,15 @@ import numpy as np
 class SourceModel:
     """A loaded model, its family (the registry key) and its reference predictions in the tensor contract.
 
-    `model` is an `xgboost.Booster` for the xgboost family and a fitted estimator for sklearn families.
+    `model` is an `xgboost.Booster` for the xgboost family, a `lightgbm.Booster` for the lightgbm family
+    (an LGBMClassifier/LGBMRegressor is unwrapped on load) and a fitted estimator for sklearn families.
     Image models are `compile.vision.VisionSource`, which owns their predict path (this module
     imports nothing of vision's: the dependency goes one way).
     """
 
     name: str
     task: str
-    family: str  # "xgboost" | "sklearn-trees" | "sklearn"
+    family: str  # "xgboost" | "lightgbm" | "sklearn-trees" | "sklearn"
     model: Any
     n_features: int
     n_classes: int | None = None
@@ -31,13 +32,15 @@ class SourceModel:
 
     @property
     def framework(self) -> str:
-        return "xgboost" if self.family == "xgboost" else "sklearn"
+        return self.family if self.family in ("xgboost", "lightgbm") else "sklearn"
 
     @property
     def n_trees(self) -> int | None:
         if self.family == "xgboost":
             per_round = self.n_classes if self.task == "multiclass" and self.n_classes else 1
             return int(self.model.num_boosted_rounds()) * per_round
+        if self.family == "lightgbm":
+            return int(self.model.num_trees())
         est = self.model
         for attr in ("n_iter_", "n_estimators_"):
             if hasattr(est, attr):
@@ -54,6 +57,9 @@ class SourceModel:
 
             dm = xgb.DMatrix(X, feature_names=self.model.feature_names)
             out = np.asarray(self.model.predict(dm))
+        elif self.family == "lightgbm":
+            # LightGBM's own predict: probabilities for binary/multiclass, the transformed score otherwise.
+            out = np.asarray(self.model.predict(X, num_threads=1))
         elif self.task in ("binary", "multiclass"):
             out = np.asarray(self.model.predict_proba(X))
             if self.task == "binary":

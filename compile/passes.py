@@ -60,6 +60,10 @@ def _prefix(source: SourceModel, k: int) -> SourceModel:
     """The same ensemble keeping only its first k boosting rounds (or trees)."""
     if source.family == "xgboost":
         model = source.model[0:k]  # Booster slicing: a real, smaller model (no iteration_range at serving)
+    elif source.family == "lightgbm":
+        import lightgbm as lgb
+
+        model = lgb.Booster(model_str=source.model.model_to_string(num_iteration=k))  # the first k iterations, a real model
     else:
         model = copy.deepcopy(source.model)
         if hasattr(model, "_predictors"):  # HistGradientBoosting
@@ -74,6 +78,8 @@ def _prefix(source: SourceModel, k: int) -> SourceModel:
 def _rounds(source: SourceModel) -> int | None:
     if source.family == "xgboost":
         return int(source.model.num_boosted_rounds())
+    if source.family == "lightgbm":
+        return int(source.model.current_iteration())
     m = source.model
     if hasattr(m, "_predictors"):
         return len(m._predictors)

@@ -1,6 +1,6 @@
 """Converter registry: "which formats can this model become" is a lookup by model family.
 
-Each source framework's converters live in one module (`convert_xgboost`, `convert_sklearn`,
+Each source framework's converters live in one module (`convert_xgboost`, `convert_lightgbm`, `convert_sklearn`,
 `convert_tensorrt`) that ends with a short table of `register_converter(...)` calls.
 """
 
@@ -66,7 +66,7 @@ class Artifact:
 Converter = Callable[["object", Path, ConvertContext], Artifact]
 
 _REGISTRY: dict[str, dict[str, Converter]] = {}
-_MODULES = ("convert_xgboost", "convert_sklearn", "convert_tensorrt", "convert_torch")
+_MODULES = ("convert_xgboost", "convert_lightgbm", "convert_sklearn", "convert_tensorrt", "convert_torch")
 _loaded = False
 
 

@@ -16,7 +16,7 @@ Task = Literal["binary", "multiclass", "regression", "ranking", "image-classific
 # torch-module: a state dict (`path`) for the nn.Module class named by `source.module`; torchscript:
 # a torch.jit.save file; onnx-model: an ONNX graph. The three vision sources take float32 [N, C, H, W]
 # already normalized: the compiler folds the declared preprocessing in front of them.
-SourceFormat = Literal["xgboost-json", "xgboost-ubj", "joblib", "pickle", "torch-module", "torchscript", "onnx-model"]
+SourceFormat = Literal["xgboost-json", "xgboost-ubj", "lightgbm-text", "joblib", "pickle", "torch-module", "torchscript", "onnx-model"]
 Format = Literal["onnx", "onnx-int8", "native", "tl2cgen", "trees", "hummingbird", "tensorrt", "tensorrt-int8", "onnx-tensorrt"]
 VISION_SOURCES = ("torch-module", "torchscript", "onnx-model")
 
@@ -309,7 +309,7 @@ _FIXES = {
     "verification.tolerance": "set a positive number such as 1e-5",
     "verification.relative_tolerance": "set a number >= 0 such as 1e-5 (|Δ| may be tolerance + relative_tolerance * |source|), or omit it for the task's default",
     "verification.sample_rows": "set a positive row count such as 256",
-    "source.format": "use one of xgboost-json, xgboost-ubj, joblib, pickle (tabular), torch-module, torchscript, onnx-model (image models)",
+    "source.format": "use one of xgboost-json, xgboost-ubj, lightgbm-text, joblib, pickle (tabular), torch-module, torchscript, onnx-model (image models)",
     "source.module": "name the model class as package.module:ClassName (importable in this environment)",
     "inputs.image": "describe the image: height, width, channels, layout (HWC or CHW), mean and std per channel",
     "calibration": "give a .npz file with uint8 images X, or omit it to calibrate on held-out images",

@@ -5,7 +5,7 @@ managed server environment, the command line). The rest is in extras, declared i
 
 | extra | for | modules it provides |
 |---|---|---|
-| `compile` | `scorestack compile`, training the demo's models | onnx, onnxruntime, skl2onnx, onnxmltools, scikit-learn, XGBoost, TL2cgen, joblib |
+| `compile` | `scorestack compile`, training the demo's models | onnx, onnxruntime, skl2onnx, onnxmltools, scikit-learn, XGBoost, LightGBM, TL2cgen, joblib |
 | `vision` | image models: compiling them, the demo's CNN | compile's, and torch |
 | `hummingbird` | the compiler's hummingbird candidate (skipped without it) | compile's, hummingbird-ml and torch |
 | `bench` | `benchmarks/` | compile's, psutil, FastAPI, uvicorn |
@@ -22,7 +22,7 @@ import importlib.util
 from scorestack.errors import ScorestackError
 
 # Top-level import names, not distribution names (scikit-learn imports as sklearn, xgboost-cpu as xgboost).
-_COMPILE = ("onnx", "onnxruntime", "skl2onnx", "onnxmltools", "onnxconverter_common", "sklearn", "xgboost", "tl2cgen", "joblib")
+_COMPILE = ("onnx", "onnxruntime", "skl2onnx", "onnxmltools", "onnxconverter_common", "sklearn", "xgboost", "lightgbm", "tl2cgen", "joblib")
 EXTRAS: dict[str, tuple[str, ...]] = {
     "compile": _COMPILE,
     "vision": (*_COMPILE, "torch", "onnxscript"),  # pyproject: vision = scorestack[compile] + torch

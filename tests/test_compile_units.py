@@ -72,7 +72,7 @@ def test_spec_errors_for_unknown_values(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as err:
         parse_spec(data, "m.yaml", tmp_path)
     msg = str(err.value)
-    assert "field `source.format`" in msg and "use one of xgboost-json, xgboost-ubj, joblib, pickle" in msg
+    assert "field `source.format`" in msg and "use one of xgboost-json, xgboost-ubj, lightgbm-text, joblib, pickle" in msg
     assert "field `inputs.features`: feature names must be unique; repeated: a" in msg
     assert "field `serving.latency_budget_ms`: must be > 0 (got 0)" in msg
     assert "field `colour`: is not a known field" in msg
