@@ -105,7 +105,11 @@ class FraudService(ScoringPath):
             # The fetch starts before the rest is validated, so store I/O overlaps the CPU work.
             fetch = asyncio.ensure_future(self.fetcher.fetch(self.feature_service, {"user_id": user}))
             try:
-                record(transaction, ("user_id", *self.request_fields), name="")
+                # transaction_id, optional: the velocity counters' event id (a retried transaction counts once).
+                record(transaction, ("user_id", *self.request_fields), name="", allowed=("transaction_id",))
+                event_id = transaction.get("transaction_id")
+                if event_id is not None and (isinstance(event_id, bool) or not isinstance(event_id, (str, int)) or event_id == ""):
+                    raise InputValidationError("transaction_id", f"must be a non-empty string or an integer, got {event_id!r}")
                 request_values = numeric_fields(transaction, self.request_fields)
             except BaseException:
                 fetch.cancel()
@@ -122,7 +126,6 @@ class FraudService(ScoringPath):
         probability = float(result.outputs[schema.OUTPUT_TENSORS["binary"]].reshape(-1)[0])
         threshold = self.threshold if self.threshold is not None else await self._served_threshold()
         if self.velocity is not None:
-            event_id = transaction.get("transaction_id")
             self.velocity.submit(user, transaction, event_id=None if event_id is None else str(event_id))
         elif self.counter_update is not None:
             self._write_back(user, features, transaction, unwritten)

@@ -284,6 +284,42 @@ def test_the_spinning_event_loop_serves_the_whole_request(loop, services, in_pro
     plain.close()
 
 
+def test_fraud_service_counts_each_transaction_once_in_its_windows(loop, services, feature_repo):
+    """FraudService(velocity=...) with a fetcher reading windows (issue 28), through the real Triton and Redis: each
+    scored transaction is added to its user's windowed counters after the score (never before it), the next score
+    sees it, a retried transaction_id counts once, and the scores are the model's answers on exactly those vectors."""
+    import uuid
+
+    from scorestack.features.velocity import AsyncVelocityWriter
+
+    client = services[0]
+    user = 7_000_000 + int(uuid.uuid4().int % 1_000_000)  # a user with no events yet, on every run
+    cols = [schema.FRAUD_FEATURES.index(f) for f in ("txn_count_1h", "amount_sum_1h", "txn_count_24h", "amount_sum_24h")]
+
+    async def run():
+        fs = store.feature_store(feature_repo)
+        writer = AsyncVelocityWriter.for_store(fs)
+        async with FeatureFetcher(fs, timeout_s=2.0, windows=True) as fetcher:
+            fraud = FraudService(client, fetcher, model="fraud_xgb", velocity=writer)
+            seen = []
+            for i, (tid, amount) in enumerate([("a", 40.0), ("b", 2.5), ("b", 2.5), ("c", 100.0)]):  # "b" is sent twice
+                result = await fraud.score({**_transaction(i, user), "amount": amount, "transaction_id": f"{user}-{tid}"})
+                seen.append(result)
+                await writer.drain()
+            counts = (writer.count("added"), writer.count("duplicate"), writer.count("failed"))
+        await writer.close()
+        return seen, counts
+
+    seen, counts = loop.run_until_complete(run())
+    with pytest.raises(InputValidationError, match="transaction_id: must be a non-empty string"):
+        loop.run_until_complete(services[2].score({**_transaction(0, user), "transaction_id": 1.5}))
+    assert counts == (3, 1, 0)
+    assert [r.features[cols].tolist() for r in seen] == [[0, 0, 0, 0], [1, 40, 1, 40], [2, 42.5, 2, 42.5], [2, 42.5, 2, 42.5]]
+    for r in seen:
+        served = loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: r.features[None, :].astype(np.float32)}))
+        assert r.probability == float(served.outputs[schema.OUTPUT_TENSORS["binary"]].reshape(-1)[0]) and not r.degraded
+
+
 def test_triton_in_process_errors_are_named(loop, in_process, compiled_demo, server_environment, tmp_path):
     from tritonclient.utils import InferenceServerException
 
