@@ -170,3 +170,21 @@ def test_objective_that_does_not_fit_the_task_is_refused(tmp_path):
     open(spec, "w").write(text)
     with pytest.raises(SpecError, match="field `task`: the LightGBM model's objective is 'binary'"):
         compile_model(spec, tmp_path / "repo")
+
+
+def test_pruning_keeps_a_real_prefix_of_lightgbm_iterations():
+    """The pruning pass on a LightGBM Booster: a smaller Booster equal to LightGBM's own first-k-iterations predict."""
+    from scorestack.compile.model import Holdout, SourceModel
+    from scorestack.compile.passes import prune
+    from scorestack.compile.spec import PruningSpec
+
+    X = _rows(5, 1600)
+    z = np.nan_to_num(X)
+    y = (z[:, 0] + z[:, 1] ** 2 > 1).astype(int)
+    booster = lgb.train({"objective": "binary", "verbose": -1, "num_threads": 1, "num_leaves": 7, "seed": 0}, lgb.Dataset(X[:1000], y[:1000]), num_boost_round=60)
+    source = SourceModel("m", "binary", "lightgbm", booster, len(FEATURES), 2, "binary")
+    pruned, report = prune(source, Holdout(X[1000:], y[1000:], None), PruningSpec(quality_budget=0.05))
+    assert report.accepted and report.trees_before == 60 and report.trees_after < 60, report
+    k = report.trees_after
+    assert pruned.family == "lightgbm" and pruned.n_trees == k and pruned.history == [f"pruned to {k} rounds"]
+    np.testing.assert_array_equal(pruned.predict(X[1000:])[:, 0], booster.predict(X[1000:], num_iteration=k, num_threads=1))
