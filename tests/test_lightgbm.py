@@ -92,7 +92,8 @@ def test_lightgbm_candidates_verify_or_are_refused_with_the_setting(compiled):
         assert by[fmt].verified and by[fmt].max_abs_diff <= TOLERANCE, (fmt, by[fmt].reason)
     assert by["native"].status == "skipped" and "server environment" in by["native"].reason
     assert by["hummingbird"].status == "skipped" and "missing-value" in by["hummingbird"].reason
-    assert reports["lgb_binary"].selected.format in ("tl2cgen", "trees", "onnx")
+    # Which verified format (or per-batch-size dispatch of them) wins is the measurement's call.
+    assert reports["lgb_binary"].selected.format in ("tl2cgen", "trees", "onnx", "dispatch")
     assert reports["lgb_multi"].selected.format == "onnx" and reports["lgb_reg"].selected.format == "trees"
     cat = {c.format: c for c in reports["lgb_cat"].candidates}
     assert cat["onnx"].verified and cat["tl2cgen"].verified
