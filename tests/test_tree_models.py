@@ -102,3 +102,27 @@ def test_regression_in_the_hundreds_compiles_and_is_served_within_the_stated_tol
     assert all(by[f].convert_s is not None and by[f].load_s is not None and by[f].verify_s is not None for f in ("onnx", "native"))
     assert report.serve_check.status == "passed"
     assert report.serve_check.max_abs_diff <= 1e-5 + 1e-5 * 490
+
+
+def test_the_runtime_runs_scikit_learn_models_on_the_serving_threads(tmp_path):
+    """Whatever n_jobs the user trained with (-1, also nested in a Pipeline), the model runtime that times the native
+    baseline and serves a scikit-learn model sets every n_jobs to the serving thread count; the scores are unchanged."""
+    import joblib
+    from sklearn.ensemble import RandomForestClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from scorestack.serve.runtime import scorestack_runtime as rt
+
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(300, 6)).astype(np.float32)
+    y = (X[:, 0] + X[:, 1] > 0).astype(int)
+    for k, model in enumerate((RandomForestClassifier(20, n_jobs=-1, random_state=0), make_pipeline(StandardScaler(), RandomForestClassifier(20, n_jobs=-1, random_state=0)))):
+        model.fit(X, y)
+        path = tmp_path / f"m{k}.joblib"
+        joblib.dump(model, path)
+        runner = rt.SklearnRunner(str(path), 1, {rt.PARAM_METHOD: "predict_proba"}, ["probabilities"])
+        served = runner.method.__self__
+        jobs = {name: v for name, v in served.get_params(deep=True).items() if name == "n_jobs" or name.endswith("__n_jobs")}
+        assert jobs and set(jobs.values()) == {1}
+        np.testing.assert_array_equal(runner.run([("features", X[:7])])[0], model.predict_proba(X[:7]))

@@ -356,11 +356,14 @@ class SklearnRunner:
         import joblib
 
         model = joblib.load(path)
-        if hasattr(model, "n_jobs"):
-            try:
-                model.set_params(n_jobs=threads)
-            except ValueError:
-                pass
+        # Every n_jobs, nested ones included (a Pipeline's forest, a stacking ensemble's members): whatever the
+        # user trained with (n_jobs=-1 is common), the model runs on the serving threads, in timing and serving alike.
+        try:
+            jobs = {k: threads for k in model.get_params(deep=True) if k == "n_jobs" or k.endswith("__n_jobs")}
+            if jobs:
+                model.set_params(**jobs)
+        except (AttributeError, TypeError, ValueError):  # not a scikit-learn estimator, or a parameter it refuses
+            pass
         self.method = getattr(model, params.get(PARAM_METHOD) or "predict")
 
     def run(self, inputs):
