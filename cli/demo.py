@@ -65,7 +65,7 @@ def diagnose(
     url: str = typer.Option(..., "--url", help="Triton gRPC address serving the demo models, e.g. 127.0.0.1:8001."),
     feature_repo: Optional[Path] = typer.Option(None, help="Working demo feature repository (default ./.scorestack/feature_repo)."),
     fraud_requests: Optional[int] = typer.Option(None, min=1, help="Fraud requests to send (default 200)."),
-    ranking_requests: Optional[int] = typer.Option(None, min=1, help="Ranking requests to send (default 50)."),
+    ranking_requests: Optional[int] = typer.Option(None, min=0, help="Ranking requests to send (default 50; 0 sends none)."),
     candidates: Optional[int] = typer.Option(None, min=1, help="Candidates per ranking request (default 200)."),
     fraud_model: str = typer.Option("fraud_xgb", help="Fraud model name in Triton."),
     ranking_model: str = typer.Option("ranking_xgb", help="Ranking model name in Triton."),
@@ -78,6 +78,9 @@ def diagnose(
         "127.0.0.1", "--metrics-address", help="Address --metrics-port binds (0.0.0.0 inside a container network, for Prometheus)."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    velocity: bool = typer.Option(
+        False, "--velocity", help="Read the windowed velocity counters and add each scored transaction to them (exact under several replicas at once)."
+    ),
     tls_dir: Optional[Path] = typer.Option(
         None, "--tls-dir", envvar="SCORESTACK_TLS_DIR", help="Talk gRPC over TLS with the CA (and client certificate for mutual TLS) in DIR."
     ),
@@ -114,7 +117,7 @@ def diagnose(
         result = asyncio.run(
             run_diagnosis(
                 url, repo, n["fraud_requests"], n["ranking_requests"], n["candidates"],
-                fraud_model=fraud_model, ranking_model=ranking_model, n_users=n["users"], n_items=n["items"], tls=tls, registry=registry,
+                fraud_model=fraud_model, ranking_model=ranking_model, n_users=n["users"], n_items=n["items"], tls=tls, registry=registry, velocity=velocity,
             )  # fmt: skip
         )
     finally:

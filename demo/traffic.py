@@ -32,14 +32,22 @@ async def run_diagnosis(
     tls: ClientTls | None = None,
     admin_key: AdminKey | None = None,
     registry: Any = None,
+    velocity: bool = False,
 ) -> list[Breakdown]:
     """Send demo fraud and ranking traffic through the real services and break down where time went.
 
     Reading Triton's statistics needs the admin key on a restricted server: `admin_key`, else
     $SCORESTACK_ADMIN_KEY / $SCORESTACK_ADMIN_KEY_FILE. TLS: `tls`, else $SCORESTACK_TLS_DIR.
     With a prometheus `registry`, the requests' phases (client/metrics.py) and the fetch layer's
-    metrics are recorded in it, for whoever serves it.
+    metrics are recorded in it, for whoever serves it. With `velocity`, the fraud service reads the
+    windowed velocity counters and adds each scored transaction to them (features/velocity.py), under a
+    transaction id unique to this process, so several replicas sending at once count every one once.
     """
+    import os
+    import socket
+    import uuid
+
+    from scorestack.features.velocity import AsyncVelocityWriter
     from scorestack.client.fraud import FraudService
     from scorestack.client.metrics import RequestMetrics
     from scorestack.client.ranking import RankingService
@@ -51,15 +59,18 @@ async def run_diagnosis(
     key = load_admin_key(admin_key)
     tls = tls or ClientTls.from_env()
     async with TritonClient(grpc_url, deadline_s=2.0, tls=tls, admin_key=key) as triton:
-        async with FeatureFetcher.from_repo(feature_repo, timeout_s=0.05, **({"registry": registry} if registry is not None else {})) as fetcher:
-            fraud = FraudService(triton, fetcher, model=fraud_model)
+        options = {"registry": registry} if registry is not None else {}
+        async with FeatureFetcher.from_repo(feature_repo, timeout_s=0.05, windows=velocity, **options) as fetcher:
+            writer = AsyncVelocityWriter.for_store(fetcher.store, **options) if velocity else None
+            fraud = FraudService(triton, fetcher, model=fraud_model, velocity=writer)
+            sender = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             ranking = RankingService(triton, fetcher, model=ranking_model)
             fraud_metrics = RequestMetrics(registry, service="fraud", model=fraud_model) if registry is not None else None
             ranking_metrics = RequestMetrics(registry, service="ranking", model=ranking_model) if registry is not None else None
 
             def fraud_request(i: int) -> dict:
                 row = {k: float(v) for k, v in fraud_fields.iloc[i].items()}
-                return {"user_id": int(rng.integers(1, n_users + 1)), **row}
+                return {"user_id": int(rng.integers(1, n_users + 1)), **row, **({"transaction_id": f"{sender}-{i}"} if velocity else {})}
 
             async def send_fraud(i: int):
                 result = await fraud.score(fraud_request(i))
@@ -76,8 +87,11 @@ async def run_diagnosis(
                 return result
 
             b1 = await measure(triton, "fraud", fraud_model, send_fraud, n_fraud)
-            b2 = await measure(triton, "ranking", ranking_model, send_ranking, n_ranking)
-    return [b1, b2]
+            b2 = await measure(triton, "ranking", ranking_model, send_ranking, n_ranking) if n_ranking else None
+            if writer is not None:
+                await writer.drain(10)
+                await writer.close()
+    return [b for b in (b1, b2) if b is not None]
 
 
 async def vision_traffic(grpc_url: str, models_dir: Path, n: int, model: str = "digits_cnn") -> str:

@@ -370,7 +370,7 @@ def test_compose_refuses_to_start_without_an_admin_key_and_holds_no_secret():
     for name, svc in services.items():
         env = svc.get("environment", {})
         assert ADMIN_KEY_ENV not in env and not any("restricted" in a for a in _words(svc.get("command", []))), name
-        if name in ("triton", "triton-gpu", "demo"):
+        if name in ("triton", "triton-gpu", "demo", "fraud-replicas"):
             assert svc["secrets"] == ["scorestack_admin_key"] and env == {ADMIN_KEY_FILE_ENV: COMPOSE_KEY_PATH}, name
             assert svc["group_add"] == ["1000"], name
         else:

@@ -862,3 +862,36 @@ def test_demo_diagnose_command_against_running_stack(triton, feature_repo):
 
     doc = json.loads(out.stdout)
     assert doc["mode"] == "demo" and [(s["service"], s["requests"]) for s in doc["services"]] == [("fraud", 12), ("ranking", 3)]
+
+
+def test_demo_fraud_replicas_with_velocity_count_every_transaction_once(triton, tmp_path, redis_url):
+    """Two `scorestack demo diagnose --velocity` processes at once (the compose/Kubernetes fraud replicas) score
+    through the real Triton and add every scored transaction to the same users' windowed counters in Redis: the
+    windows read back hold exactly the transactions both sent, none lost, none counted twice."""
+    import json
+    import subprocess
+    import sys
+    import uuid
+
+    from scorestack.features.velocity import FRAUD_VELOCITY, RedisVelocity, redis_prefix
+
+    project = f"t_replicas_{uuid.uuid4().hex[:8]}"  # counters of their own, whatever earlier runs left in this Redis
+    repo = demo_features.init_repo(tmp_path / "repo", online="redis", redis_url=redis_url, n_users=8, n_items=10, project=project)
+    store.apply(repo)
+    store.materialize(repo)
+    exe = Path(sys.executable).parent / "scorestack"
+    cmd = [str(exe), "demo", "diagnose", "--url", triton.grpc_url, "--feature-repo", str(repo), "--fraud-requests", "40", "--ranking-requests", "0",
+           "--users", "8", "--velocity", "--json"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+        (fraud,) = json.loads(out)["services"]
+        assert fraud["requests"] == 40 and fraud["degraded"] == 0
+    import redis
+
+    counters = RedisVelocity(redis.Redis.from_url(redis_url), FRAUD_VELOCITY, prefix=redis_prefix(project))
+    # Each process also sends its measurement's 10 warm-up requests through the same service, under ids of their own.
+    warm = 2 * 10
+    windows = [counters.read(user) for user in range(1, 9)]
+    assert sum(w["txn_count_1h"] for w in windows) == sum(w["txn_count_24h"] for w in windows) == 80 + warm
