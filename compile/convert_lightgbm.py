@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ._tree_commons import ONNX_OPSET, compile_tl2cgen, save_onnx_contract
+from .loaders import lightgbm_has_categorical_splits
 from .model import SourceModel
 from .registry import Artifact, ConvertContext, Skip, register_converter
 
@@ -21,13 +22,8 @@ _ONNXMLTOOLS_OPSET = min(ONNX_OPSET, 15)
 CATEGORICAL_FIX = "encode the column as a number (ordinal or one-hot) and retrain without `categorical_feature`"
 
 
-def has_categorical_splits(booster: Any) -> bool:
-    """Any tree splits on a category set (`num_cat=` > 0 in the model text): `categorical_feature` or pandas category columns."""
-    return any(line.startswith("num_cat=") and line != "num_cat=0" for line in booster.model_to_string().splitlines())
-
-
 def _refuse_categorical(source: SourceModel, fmt: str) -> None:
-    if has_categorical_splits(source.model):
+    if lightgbm_has_categorical_splits(source.model.model_to_string()):
         raise Skip(f"categorical splits (LightGBM `categorical_feature`): {fmt} compares features with thresholds only; {CATEGORICAL_FIX}")
 
 

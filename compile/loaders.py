@@ -178,6 +178,11 @@ def _wrap_xgboost(booster: Any, spec: ModelSpec, source: str) -> SourceModel:
     )
 
 
+def lightgbm_has_categorical_splits(model_text: str) -> bool:
+    """Any tree of a LightGBM model text splits on a category set (`num_cat=` > 0): `categorical_feature` or pandas category columns."""
+    return any(line.startswith("num_cat=") and line != "num_cat=0" for line in model_text.splitlines())
+
+
 def _lgb_header(booster: Any) -> dict[str, str]:
     """The model text's header lines (`key=value` up to the first tree)."""
     head = booster.model_to_string(num_iteration=0).split("\nTree=")[0]
@@ -224,7 +229,7 @@ def _wrap_lightgbm(booster: Any, spec: ModelSpec, source: str) -> SourceModel:
     num_class = int(header.get("num_class", "1"))
     n_classes = num_class if spec.task == "multiclass" else (2 if spec.task == "binary" else None)
     trees = int(booster.num_trees())
-    cats = " with categorical splits" if any(line.startswith("num_cat=") and line != "num_cat=0" for line in text.splitlines()) else ""
+    cats = " with categorical splits" if lightgbm_has_categorical_splits(text) else ""
     return SourceModel(
         name=spec.name,
         task=spec.task,
