@@ -2,20 +2,18 @@
 
     .venv/bin/python benchmarks/bench_e2e.py [--rounds 3] [--quick]
 
-Five fraud services on the same Redis online store and model, each in a fresh process of its own
+Fraud services on the same Redis online store and model, each in a fresh process of its own
 holding only its own clients (harness worker, spawned), one after the other:
 - scorestack's `FraudService` (the fetch layer's direct Redis read) with the model in the local
-  Triton over gRPC, over the client's lean HTTP transport, and in the service's own process
-  (`TritonClient(in_process=InProcessTriton(...))`);
+  Triton over gRPC, over the client's lean HTTP transport, in the service's own process
+  (`InProcessTriton`), and on the caller's thread without Triton (`EmbeddedModels`);
 - hand-written: `feast.FeatureStore.get_online_features` + onnxruntime in-process (1 thread) with
   callers on threads, and `get_online_features_async` + onnxruntime with callers as tasks.
-Scores checked equal (|Δp| <= 1e-4 on 200 transactions, or the run stops). Closed loops at 1, 16, 64
-callers, open loop (Poisson) at 50% and 80% of each service's own maximum, interleaved rounds (the
-order turns), medians and ranges; the machine's CPU per score (client, Triton, Redis); the model
-call alone; for the paths through the local server, the phases `scorestack diagnose` reports.
-Ranking: 1 user x 500 items at concurrency 1 against two Feast reads + onnxruntime; over gRPC, 100
-to 2,000 candidates by how many of a request's chunks of max_batch_size are in Triton at once.
-Results: benchmarks/results/e2e.json and e2e.md.
+Scores checked equal (|Δp| <= 1e-4 on 200 transactions, or the run stops). Closed loops at 1, 16, 64 callers, open
+loop (Poisson) at 50% and 80% of each service's own maximum, interleaved rounds (the order turns), medians and ranges;
+the machine's CPU per score; the model call alone; through the local server, the phases `scorestack diagnose` reports.
+Ranking: 1 user x 500 items at concurrency 1 against two Feast reads + onnxruntime; over gRPC, 100 to 2,000 candidates
+by how many of a request's chunks of max_batch_size are in Triton at once. Results: results/e2e.json and e2e.md.
 """
 
 from __future__ import annotations
@@ -46,17 +44,19 @@ from scorestack.client.triton import TritonClient
 from scorestack.demo import data as demo_data
 from scorestack.errors import OverloadedError
 from scorestack.features.fetch import FeatureFetcher
-from scorestack.serve import InProcessTriton, LocalTriton
+from scorestack.serve import EmbeddedModels, InProcessTriton, LocalTriton
 
-SYSTEMS = ("scorestack", "scorestack_http", "scorestack_inprocess", "scorestack_inprocess_spin", "handwritten_sync", "handwritten_async", "handwritten_async_spin")
-OURS = ("scorestack", "scorestack_http", "scorestack_inprocess", "scorestack_inprocess_spin")
+OURS = ("scorestack", "scorestack_http", "scorestack_inprocess", "scorestack_inprocess_spin", "scorestack_embedded", "scorestack_embedded_spin")
+SYSTEMS = OURS + ("handwritten_sync", "handwritten_async", "handwritten_async_spin")
 SPIN_US = 50  # the _spin services run on scorestack.client.eventloop's spinning loop (polls this long before it sleeps)
 PHASED = ("scorestack", "scorestack_http")  # through the local server, whose statistics give the queue and compute phases
-VIA = {"scorestack": "gRPC", "scorestack_http": "lean HTTP", "scorestack_inprocess": "in-process Triton", "scorestack_inprocess_spin": "in-process Triton, spinning loop"}
+VIA = {"scorestack": "gRPC", "scorestack_http": "lean HTTP", "scorestack_inprocess": "in-process Triton", "scorestack_inprocess_spin": "in-process Triton, spinning loop", "scorestack_embedded": "embedded runtime", "scorestack_embedded_spin": "embedded runtime, spinning loop"}
 LABELS = {
     "scorestack": "scorestack fraud path (direct Redis read + Triton over gRPC)",
     "scorestack_http": "scorestack fraud path, lean HTTP transport (direct Redis read + Triton over HTTP/1.1, binary tensors)",
     "scorestack_inprocess": "scorestack fraud path, Triton in the service's process (direct Redis read + Triton's C API)",
+    "scorestack_embedded": "scorestack fraud path, the model on the caller's thread (direct Redis read + EmbeddedModels, no Triton)",
+    "scorestack_embedded_spin": f"scorestack fraud path, the model on the caller's thread, spinning event loop ({SPIN_US} µs)",
     "handwritten_sync": "hand-written: Feast get_online_features + onnxruntime, threads",
     "handwritten_async": "hand-written: Feast get_online_features_async + onnxruntime, tasks",
     "scorestack_inprocess_spin": f"scorestack fraud path, Triton in the service's process, spinning event loop ({SPIN_US} µs)",
@@ -86,8 +86,8 @@ class Service:
         self.txns = _transactions(2000, np.random.default_rng(0))
         self.ip = self.triton = self.fetcher = self.hand = self.pool = None
         if name in OURS:
-            if name == "scorestack_inprocess":
-                self.ip = InProcessTriton(Path(s["repository"]), models=["fraud_xgb", "ranking_xgb"]).__enter__()
+            if name in ("scorestack_inprocess", "scorestack_embedded"):
+                self.ip = (InProcessTriton if name == "scorestack_inprocess" else EmbeddedModels)(Path(s["repository"]), models=["fraud_xgb", "ranking_xgb"]).__enter__()
             self.triton = await TritonClient(None if self.ip else s["grpc_url"], deadline_s=5.0, in_process=self.ip,
                                              http_url=s["http_url"] if name == "scorestack_http" else None).__aenter__()
             self.fetcher = await FeatureFetcher.from_repo(Path(s["repo"]), timeout_s=0.05).__aenter__()

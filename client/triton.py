@@ -24,6 +24,7 @@ from scorestack.errors import InferenceError, OverloadedError, RequestValidation
 from scorestack.serve.security import AdminKey, ClientTls, diagnose_tls
 
 if TYPE_CHECKING:
+    from scorestack.serve.embedded import EmbeddedModels
     from scorestack.serve.inprocess import InProcessTriton
 
 DEFAULT_DEADLINE_S = 1.0
@@ -164,7 +165,9 @@ class TritonClient:
 
     `in_process` (a started scorestack.serve.InProcessTriton) sends `infer` and the metadata reads to
     Triton running inside this process through its C API: no network hop at all. `url` may then be
-    None; with a `url`, admin and readiness calls still go there.
+    None; with a `url`, admin and readiness calls still go there. A started
+    scorestack.serve.EmbeddedModels goes there too: the compiled artifact run on the caller's thread by
+    the model runtime, without Triton (checked against its reference rows in this process first).
     """
 
     def __init__(
@@ -178,7 +181,7 @@ class TritonClient:
         admin_key: AdminKey | None = None,
         max_in_flight: int | str | AdaptiveLimit | None = None,
         http_url: str | None = None,
-        in_process: "InProcessTriton | None" = None,
+        in_process: "InProcessTriton | EmbeddedModels | None" = None,
     ) -> None:
         if url is None and in_process is None:
             raise ValueError("url: give Triton's gRPC address (host:port), or in_process=InProcessTriton(...)")

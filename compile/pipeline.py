@@ -87,6 +87,20 @@ def _lookup(X: np.ndarray, outputs: np.ndarray):  # -> Callable[[np.ndarray], np
     return lambda rows: outputs[[index[r.tobytes()] for r in rows]]
 
 
+REFERENCE_ROWS = 64
+
+
+def write_reference(version_dir: Path, spec: ModelSpec, model: SourceModel, holdout: Holdout) -> None:
+    """The version folder's reference (rt.REFERENCE): up to REFERENCE_ROWS held-out rows, the source model's outputs
+    on them and the spec's tolerances, for a process that runs the artifact outside the server environment (the
+    embedded transport, scorestack.serve.embedded) to check it there before it answers."""
+    X = holdout.X[: REFERENCE_ROWS]
+    expected = np.asarray(model.predict(X), dtype=np.float64).reshape(len(X), -1)
+    with open(version_dir / rt.REFERENCE, "wb") as fh:
+        np.savez(fh, X=X, expected=expected, tolerance=np.float64(spec.verification.tolerance),
+                 relative=np.float64(spec.relative_tolerance), task=np.str_(spec.task))
+
+
 def _worker() -> tuple[RuntimeWorker, str]:
     """The verification worker in the server environment; this environment only where none can exist (reported)."""
     try:
@@ -203,8 +217,11 @@ def compile_model(
         settings.rules.append(backend_rule)
         if native_plan is not None:
             shutil.copy2(native.library(), folder / str(version) / native.LIBRARY)
-            digests = rt.write_manifest(str(folder / str(version)))
             selected.backend = native.BACKEND
+        if not spec.is_vision:
+            write_reference(folder / str(version), spec, model, holdout)
+        if native_plan is not None or not spec.is_vision:
+            digests = rt.write_manifest(str(folder / str(version)))
         cfg = emit.write_config(folder, emit.build_config(spec, art, settings, n_outputs(spec, model), native_plan=native_plan))
         if spec.serving.batching == "auto":
             settings, cfg = _measured_batching(spec, art, settings, n_outputs(spec, model), native_plan, folder, version, holdout, serve_check)

@@ -803,6 +803,27 @@ def _reference(models: Path, source: str, X: np.ndarray) -> np.ndarray:
     return joblib.load(models / "fraud_sklearn.joblib").predict_proba(X)[:, 1]
 
 
+def test_every_format_runs_embedded_and_answers_as_the_source(compiled):
+    """scorestack.serve.EmbeddedModels runs every format the compiler emits here (ONNX, native XGBoost, TL2cgen, native
+    scikit-learn) on the caller's thread: each reproduced its reference rows at load, and answers held-out rows the
+    source model has not seen in its reference, alone and in batches, within the spec's tolerance."""
+    from scorestack.serve import EmbeddedModels
+
+    models, repository, specs = compiled
+    X = np.load(models / "fraud_holdout.npz")["X"][-200:].astype(np.float32)
+    out = schema.OUTPUT_TENSORS["binary"]
+    with EmbeddedModels(repository) as embedded:
+        assert set(embedded.reference_check()) == set(specs)
+        for name, spec in specs.items():
+            want = _reference(models, name.rsplit("_", 1)[0], X)
+            ones = [embedded.infer(name, [(schema.INPUT_TENSOR, "FP32", X[i : i + 1])], [out])[out] for i in range(20)]
+            batches = [embedded.infer(name, [(schema.INPUT_TENSOR, "FP32", X[i : i + 64])], [out])[out] for i in range(0, len(X), 64)]
+            tol = spec["verification"]["tolerance"]
+            np.testing.assert_allclose(np.concatenate(ones).reshape(-1), want[:20], rtol=0, atol=tol, err_msg=name)
+            np.testing.assert_allclose(np.concatenate(batches).reshape(-1), want, rtol=0, atol=tol, err_msg=name)
+            assert 0.0 <= embedded.reference_check()[name] <= tol
+
+
 def _scrape(url: str) -> dict[tuple[str, str], float]:
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()

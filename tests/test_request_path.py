@@ -284,6 +284,80 @@ def test_the_spinning_event_loop_serves_the_whole_request(loop, services, in_pro
     plain.close()
 
 
+@pytest.fixture(scope="module")
+def embedded(compiled_demo):
+    from scorestack.serve import EmbeddedModels
+
+    with EmbeddedModels(compiled_demo[1], models=["fraud_xgb", "ranking_xgb"]) as models:
+        yield models
+
+
+def test_embedded_models_score_what_the_server_scores(loop, services, embedded, compiled_demo, feature_repo):
+    """TritonClient(in_process=EmbeddedModels(...)) runs the version folder's artifact with its own runtime file on the
+    caller's thread, no Triton: the gRPC server's fraud probabilities and ranking exactly, the same model metadata, and
+    its reference rows reproduced in this process at load (within the spec's tolerance), on the spinning loop too."""
+    from scorestack.client.eventloop import run
+
+    client, fetcher, fraud, _ = services
+    local = TritonClient(in_process=embedded, deadline_s=2.0)
+    _answers_like_grpc(loop, services, local, users=[5, 17, 93], rank_user=7, context=4, concurrent=16, seed=9)
+    assert loop.run_until_complete(local.model_info("fraud_xgb")) == loop.run_until_complete(client.model_info("fraud_xgb"))
+    assert loop.run_until_complete(local.is_ready())
+    checked = embedded.reference_check()
+    assert set(checked) == {"fraud_xgb", "ranking_xgb"}
+    assert all(0.0 <= d <= _spec(compiled_demo[2], n).verification.tolerance for n, d in checked.items()), checked
+    want = loop.run_until_complete(fraud.score(_transaction(0, 31)))
+
+    async def spin_side():  # a fetcher of its own: the module's belongs to the module's loop
+        async with FeatureFetcher.from_repo(feature_repo, timeout_s=0.5) as f2, TritonClient(in_process=embedded, deadline_s=2.0) as triton:
+            return await FraudService(triton, f2, model="fraud_xgb").score(_transaction(0, 31))
+
+    got = run(spin_side(), spin_us=50)
+    np.testing.assert_array_equal(got.features, want.features)
+    assert got.probability == want.probability and not got.degraded
+
+
+def test_embedded_models_refuse_what_they_cannot_vouch_for(loop, embedded, compiled_demo, tmp_path):
+    """A model whose reference rows this process does not reproduce, one without reference rows, one whose files do not
+    match SHA256SUMS, and a model name that is not there are refused at load, each by name with the fix; a call to a
+    model that is not loaded and a tensor of the wrong type fail naming them."""
+    from scorestack.errors import ServerError
+    from scorestack.serve import EmbeddedModels
+    from scorestack.serve.runtime import scorestack_runtime as rt
+
+    def copy() -> Path:
+        repo = tmp_path / f"repo{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(compiled_demo[1] / "fraud_xgb", repo / "fraud_xgb")
+        return repo
+
+    repo = copy()
+    version = repo / "fraud_xgb" / "1"
+    with np.load(version / rt.REFERENCE) as ref:
+        fields = dict(ref)
+    np.savez(version / rt.REFERENCE, **dict(fields, expected=fields["expected"] + 0.01))
+    rt.write_manifest(str(version))
+    with pytest.raises(ServerError, match=r"'fraud_xgb' version 1: in this process .* does not reproduce the source model on its 64 reference rows.*max \|Δ\| 0\.01"):
+        EmbeddedModels(repo, models=["fraud_xgb"]).start()
+    (version / rt.REFERENCE).unlink()
+    rt.write_manifest(str(version))
+    with pytest.raises(ServerError, match="scorestack_reference.npz is missing.*recompile the model"):
+        EmbeddedModels(repo).start()
+    repo = copy()
+    version = repo / "fraud_xgb" / "1"
+    with open(version / "model-trees.so", "ab") as fh:
+        fh.write(b"\0")
+    with pytest.raises(ServerError, match="'fraud_xgb' version 1: refused: .*model-trees.so"):
+        EmbeddedModels(repo).start()
+    with pytest.raises(ServerError, match="'fraud_typo'.*not found.*fraud_xgb"):
+        EmbeddedModels(compiled_demo[1], models=["fraud_typo"]).start()
+    local = TritonClient(in_process=embedded, deadline_s=1.0)
+    x = np.zeros((1, len(schema.FRAUD_FEATURES)), dtype=np.float32)
+    with pytest.raises(InferenceError, match="fraud_sklearn.*not loaded here"):
+        loop.run_until_complete(local.infer("fraud_sklearn", {schema.INPUT_TENSOR: x}))
+    with pytest.raises(RequestValidationError, match="float64"):
+        loop.run_until_complete(local.infer("fraud_xgb", {schema.INPUT_TENSOR: x.astype(np.float64)}))
+
+
 def test_fraud_service_counts_each_transaction_once_in_its_windows(loop, services, feature_repo):
     """FraudService(velocity=...) with a fetcher reading windows (issue 28), through the real Triton and Redis: each
     scored transaction is added to its user's windowed counters after the score (never before it), the next score

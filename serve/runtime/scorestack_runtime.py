@@ -1,8 +1,10 @@
 """scorestack's model runtime: the one implementation of every artifact format.
 
-The same file runs in three places, always in the environment that serves the model:
-Triton's Python backend (through `model.py` beside it), the compiler's verification and timing
-worker (`worker.py`), and nowhere else. It is self-contained on purpose: it runs in the server
+The same file runs in the environment that serves the model: Triton's Python backend (through
+`model.py` beside it), the compiler's verification and timing worker (`worker.py`), and a service
+process that runs the artifact itself (scorestack.serve.embedded, which loads the version folder's
+copy and first reproduces the folder's reference rows, REFERENCE, because that process is not the
+environment the compiler verified in). It is self-contained on purpose: it runs in the server
 environment (numpy<2, without scorestack installed) and is copied into every model version folder.
 
 Everything a model needs to run was decided by the compiler and written into config.pbtxt
@@ -34,6 +36,9 @@ DISPATCH = "dispatch"
 # Files the compiler writes into every version folder besides the artifact.
 RUNTIME_FILES = ("model.py", "scorestack_runtime.py")
 MANIFEST = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks it by hand too
+# Rows and the source model's outputs on them, with the verification tolerances: a process that runs
+# the artifact outside the server environment (scorestack.serve.embedded) checks it against these first.
+REFERENCE = "scorestack_reference.npz"
 ORIGIN = ".scorestack_origin"  # in a local view's version folder: the repository version folder it renders
 
 # Triton data types (config JSON spelling) -> numpy.
