@@ -470,11 +470,20 @@ class AsyncVelocityWriter:
     so the event loop never waits on the store and a burst costs one round trip, not one per event.
     Every outcome is counted in `scorestack_velocity_writes_total{view, outcome}`: added, duplicate
     (an event id already added), expired (older than every window), failed (the store unreachable
-    after one retry with the same ids), dropped (more than `max_pending` waiting). Nothing is lost
-    silently.
+    for `retry_s`), dropped (more than `max_pending` waiting). Nothing is lost silently.
+
+    An event the store did not take (unreachable, after VelocityWriter's immediate retry) is kept and
+    sent again, with its id and its own event time, every RETRY_BACKOFF_S (doubling to 1 s) for up to
+    `retry_s` seconds (default 30; 0 gives up at once): a Redis restart or failover shorter than that
+    loses no count, and the ids make a resend that had landed after all count once. Each resend is
+    counted as `retried` (not an outcome: every event still ends in exactly one of the five above).
+    A waiting event counts as pending, so a long outage fills `max_pending` and then drops, counted.
     """
 
-    def __init__(self, counters, *, max_pending: int = 4096, max_batch: int = 256, linger_s: float = 0.002, registry=None) -> None:
+    RETRY_BACKOFF_S = 0.05
+
+    def __init__(self, counters, *, max_pending: int = 4096, max_batch: int = 256, linger_s: float = 0.002, retry_s: float = 30.0,
+                 registry=None) -> None:
         import queue
         import threading
 
@@ -482,10 +491,13 @@ class AsyncVelocityWriter:
 
         from scorestack.features.metrics import in_process_values
 
+        if not retry_s >= 0:
+            raise ValueError(f"retry_s: {retry_s!r}; give the seconds a failed write is retried (0: none)")
         self.counters = counters
         self.writer = VelocityWriter(counters)
         self.max_pending = max_pending
         self.max_batch = max_batch
+        self.retry_s = retry_s
         # After the first event, wait this long for more: one wake-up and one round trip per batch
         # instead of per event (each wake-up takes the interpreter lock from the event loop).
         self.linger_s = linger_s
@@ -493,7 +505,7 @@ class AsyncVelocityWriter:
         with in_process_values():
             self._writes = Counter(
                 "scorestack_velocity_writes_total",
-                "Events added to windowed velocity counters, by outcome (added, duplicate, expired, failed, dropped).",
+                "Events added to windowed velocity counters, by outcome (added, duplicate, expired, failed, dropped; retried counts resends).",
                 ["view", "outcome"],
                 registry=self.registry,
             )
@@ -527,34 +539,67 @@ class AsyncVelocityWriter:
     def pending(self) -> int:
         return self._pending
 
+    def _next(self, waiting: list) -> Any:
+        """The next queued item, or None when a waiting resend is due first (or the writer closes: _CLOSE)."""
+        import queue
+
+        timeout = None if not waiting else max(0.0, min(w[0] for w in waiting) - time.monotonic())
+        try:
+            return self._queue.get(timeout=timeout) if timeout != 0.0 else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
     def _run(self) -> None:
         import queue
 
+        waiting: list[list] = []  # [due (monotonic), given up at (monotonic), attempts, item]: failed events to resend
         while True:
-            item = self._queue.get()
-            if item is None:
+            item = self._next(waiting)
+            if item is _CLOSE:
+                self._settle(["failed"] * len(waiting))  # closed during an outage: given up, counted
                 return
-            if self.linger_s > 0:
+            batch = [] if item is None else [[0.0, 0.0, 0, item]]
+            if batch and self.linger_s > 0:
                 time.sleep(self.linger_s)
-            batch = [item]
-            while len(batch) < self.max_batch:
+            while batch and len(batch) < self.max_batch:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if item is None:
-                    self._queue.put(None)
+                if item is _CLOSE:
+                    self._queue.put(_CLOSE)
                     break
-                batch.append(item)
+                batch.append([0.0, 0.0, 0, item])
+            now = time.monotonic()
+            due = [w for w in waiting if w[0] <= now][: self.max_batch]
+            taken = {id(w) for w in due}
+            waiting = [w for w in waiting if id(w) not in taken]
+            batch = due + batch
+            if not batch:
+                continue
             try:
-                outcomes = self.writer.add_many(batch)
+                outcomes = self.writer.add_many([w[3] for w in batch])
             except Exception:  # a bug or an unexpected reply: still counted, never raised into scoring
                 logger.exception("velocity write of %d events failed", len(batch))
                 outcomes = ["failed"] * len(batch)
-            for outcome in set(outcomes):
-                self._count(outcome, outcomes.count(outcome))
-            with self._lock:
-                self._pending -= len(batch)
+            final = []
+            for w, outcome in zip(batch, outcomes):
+                if outcome == "failed" and self.retry_s > 0 and not self._closed and (w[2] == 0 or now < w[1]):
+                    w[1] = w[1] if w[2] else now + self.retry_s
+                    w[0] = now + min(self.RETRY_BACKOFF_S * 2 ** w[2], 1.0)
+                    w[2] += 1
+                    waiting.append(w)
+                else:  # a resend answered "duplicate": an earlier attempt had landed, its reply lost
+                    final.append("added" if outcome == "duplicate" and w[2] else outcome)
+            if len(final) < len(batch):
+                self._count("retried", len(batch) - len(final))
+            self._settle(final)
+
+    def _settle(self, outcomes: list[str]) -> None:
+        for outcome in set(outcomes):
+            self._count(outcome, outcomes.count(outcome))
+        with self._lock:
+            self._pending -= len(outcomes)
 
     def submit(self, entity: Any, event: Mapping[str, Any], *, event_id: str | None = None, event_time: float | None = None) -> bool:
         """Queue one event (its time defaults to now, its id to a fresh one); False when dropped."""
@@ -578,9 +623,18 @@ class AsyncVelocityWriter:
             await asyncio.sleep(0.002)
 
     async def close(self, timeout_s: float = 5.0) -> None:
+        """Drain (at most `timeout_s`), then stop: events still waiting to be resent are counted failed."""
+        import asyncio
+
+        deadline = time.monotonic() + timeout_s
         await self.drain(timeout_s)
         self._closed = True
-        self._queue.put(None)
+        self._queue.put(_CLOSE)
+        while self._thread.is_alive() and time.monotonic() < deadline + 1.0:
+            await asyncio.sleep(0.002)
+
+
+_CLOSE = object()  # AsyncVelocityWriter's queue: stop after what is queued
 
 
 def read_windows(counters_by_view: Mapping[str, Any], views: Mapping[str, Any], wanted: Mapping[str, Sequence[Any]], out: dict) -> None:

@@ -203,15 +203,46 @@ async def test_fetch_reads_window_sums_and_feast_lists_the_counters(repo):
     await writer.close()
 
 
-async def test_write_back_under_a_stopped_store_is_counted_failed(tmp_path, private_redis):
+async def test_write_back_resends_through_an_outage_and_counts_what_it_gives_up(tmp_path, private_redis):
+    """A stopped Redis: the writer keeps the events and resends them (with their ids and event times) until the store is
+    back, so the windows hold each exactly once and every event is counted added; with a short `retry_s` and the store
+    still down, the events are given up and counted failed, none silently; closing during an outage counts them failed."""
     from scorestack.features import store
     from scorestack.features.velocity import AsyncVelocityWriter
 
     repo = _repo(tmp_path, "redis", private_redis.url)
-    writer = AsyncVelocityWriter.for_store(store.feature_store(repo))
+    fs = store.feature_store(repo)
+    writer = AsyncVelocityWriter.for_store(fs)  # retry_s 30 by default
     private_redis.stop()
     for i in range(3):
-        assert writer.submit(1, {"amount": 1.0}, event_id=f"x{i}")
+        assert writer.submit(1, {"amount": 2.0}, event_id=f"x{i}")
+    await wait_for_count(writer, "retried", 3)
+    assert writer.pending == 3 and writer.count("failed") == 0
+    private_redis.start()
     await writer.drain(30)
-    assert writer.count("failed") == 3 and writer.count("added") == 0
+    assert (writer.count("added"), writer.count("failed"), writer.count("duplicate"), writer.pending) == (3, 0, 0, 0)
+    assert writer.counters.read(1)["txn_count_1h"] == 3.0 and writer.counters.read(1)["amount_sum_1h"] == 6.0
     await writer.close()
+
+    short = AsyncVelocityWriter.for_store(fs, retry_s=0.3)
+    private_redis.stop()
+    for i in range(3):
+        assert short.submit(1, {"amount": 1.0}, event_id=f"y{i}")
+    await short.drain(30)
+    assert (short.count("failed"), short.count("added"), short.pending) == (3, 0, 0) and short.count("retried") >= 3
+    closing = AsyncVelocityWriter.for_store(fs)
+    assert closing.submit(1, {"amount": 1.0}, event_id="z")
+    await wait_for_count(closing, "retried", 1)
+    await closing.close(timeout_s=0.2)
+    assert (closing.count("failed"), closing.pending) == (1, 0)
+    await short.close()
+    with pytest.raises(ValueError, match="retry_s"):
+        AsyncVelocityWriter.for_store(fs, retry_s=-1)
+
+
+async def wait_for_count(writer, outcome: str, n: int, timeout_s: float = 30.0) -> None:
+    import asyncio
+
+    from scorestack.serve.readiness import wait_until
+
+    await asyncio.to_thread(wait_until, lambda: None if writer.count(outcome) >= n else f"{writer.count(outcome)} so far", timeout_s=timeout_s, what=f"{n} {outcome} writes")
