@@ -41,7 +41,7 @@ from typing import Collection, Sequence
 
 import numpy as np
 from google.protobuf import json_format
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from scorestack.errors import ServerError
 from scorestack.serve.runtime import scorestack_runtime as rt
@@ -123,8 +123,7 @@ class _Model:
 
     def metadata(self) -> dict:
         def tensor(name: str, dtype, dims: Sequence[int]) -> dict:
-            datatype = _TRITON_TYPES[np.dtype(dtype).name]
-            return {"name": name, "datatype": datatype, "shape": ([-1] if self.batched else []) + [int(d) for d in dims]}
+            return {"name": name, "datatype": np_to_triton_dtype(np.dtype(dtype)), "shape": ([-1] if self.batched else []) + [int(d) for d in dims]}
 
         inputs = [tensor(i["name"], rt._dtype(i["data_type"]), i["dims"]) for i in self.config["input"]]
         outputs = [tensor(n, d, dims) for n, d, dims in self.runtime.outputs]
@@ -146,10 +145,6 @@ class _Model:
         if missing:
             raise InferenceServerException(f"model {self.name!r}: unknown output {missing[0]!r}; outputs are {self.output_names}", status="INVALID_ARG")
         return {n: values[n] for n in outputs}
-
-
-_TRITON_TYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64", "int8": "INT8", "int16": "INT16",
-                 "int32": "INT32", "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64"}
 
 
 def _load_runtime(version_dir: Path):

@@ -350,12 +350,17 @@ def test_embedded_models_refuse_what_they_cannot_vouch_for(loop, embedded, compi
         EmbeddedModels(repo).start()
     with pytest.raises(ServerError, match="'fraud_typo'.*not found.*fraud_xgb"):
         EmbeddedModels(compiled_demo[1], models=["fraud_typo"]).start()
-    local = TritonClient(in_process=embedded, deadline_s=1.0)
+    _unknown_model_and_wrong_dtype_are_named(loop, TritonClient(in_process=embedded, deadline_s=1.0), "fraud_sklearn", "fraud_sklearn.*not loaded here")
+
+
+def _unknown_model_and_wrong_dtype_are_named(loop, local: TritonClient, unknown: str, match: str) -> np.ndarray:
+    """Through another transport: a model it does not hold and a float64 tensor fail naming them; returns the zero row."""
     x = np.zeros((1, len(schema.FRAUD_FEATURES)), dtype=np.float32)
-    with pytest.raises(InferenceError, match="fraud_sklearn.*not loaded here"):
-        loop.run_until_complete(local.infer("fraud_sklearn", {schema.INPUT_TENSOR: x}))
+    with pytest.raises(InferenceError, match=match):
+        loop.run_until_complete(local.infer(unknown, {schema.INPUT_TENSOR: x}))
     with pytest.raises(RequestValidationError, match="float64"):
         loop.run_until_complete(local.infer("fraud_xgb", {schema.INPUT_TENSOR: x.astype(np.float64)}))
+    return x
 
 
 def test_fraud_service_counts_each_transaction_once_in_its_windows(loop, services, feature_repo):
@@ -401,12 +406,7 @@ def test_triton_in_process_errors_are_named(loop, in_process, compiled_demo, ser
     from scorestack.serve import InProcessTriton
     from scorestack.triton_config import load_config, write_config
 
-    local = TritonClient(in_process=in_process, deadline_s=2.0)
-    x = np.zeros((1, len(schema.FRAUD_FEATURES)), dtype=np.float32)
-    with pytest.raises(InferenceError, match="fraud_typo"):
-        loop.run_until_complete(local.infer("fraud_typo", {schema.INPUT_TENSOR: x}))
-    with pytest.raises(RequestValidationError, match="float64"):
-        loop.run_until_complete(local.infer("fraud_xgb", {schema.INPUT_TENSOR: x.astype(np.float64)}))
+    x = _unknown_model_and_wrong_dtype_are_named(loop, TritonClient(in_process=in_process, deadline_s=2.0), "fraud_typo", "fraud_typo")
 
     async def triton_refuses():  # past the client's checks: Triton's own message comes back
         return await in_process.infer("fraud_xgb", [("nope", "FP32", x)], [schema.OUTPUT_TENSORS["binary"]], 1_000_000)
