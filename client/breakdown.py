@@ -174,9 +174,13 @@ async def measure(
     A request that fails with an InferenceError (e.g. rejected by the queue policy under load) is
     counted in `errors`, not timed: the breakdown describes the requests that were served.
     """
+    # Triton counts a request after its response is sent: the starting reading waits until the
+    # warm-up calls are counted, so none of them lands inside the measured window.
+    pre = await server_snapshot(triton, model)
+    warm_calls = 0
     for i in range(warmup):
-        await send(i)
-    before = await server_snapshot(triton, model)
+        warm_calls += getattr(await send(i), "chunks", 1)
+    before = await settled(lambda: server_snapshot(triton, model), lambda s: s.success_count - pre.success_count >= warm_calls)
     results: list[Any] = []
     errors: dict[str, int] = {}
     sem = asyncio.Semaphore(concurrency)

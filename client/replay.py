@@ -74,10 +74,13 @@ async def replay(
             idx = (np.arange(rows_per_request) + i * rows_per_request) % len(x)
             return np.ascontiguousarray(x[idx])
 
+        # Triton counts a request after its response is sent: wait until the warm-up requests are in
+        # the counters before taking the window's starting reading (else they land inside the window).
+        pre = await _model_statistics(triton, model)
         for i in range(warmup):
             await triton.infer(model, {tensor.name: batch(i)})
         fail_before = read_failures(target)
-        before = await _model_statistics(triton, model)
+        before = await settled(lambda: _model_statistics(triton, model), lambda s: (s - pre).success.count >= warmup)
         latencies: list[float] = []
         errors: dict[str, int] = {}
         sem = asyncio.Semaphore(concurrency if rate is None else max(concurrency, 1024))
