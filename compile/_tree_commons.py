@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import subprocess
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -64,9 +66,11 @@ def compile_tl2cgen(treelite_model: Any, workdir: Path, ctx: ConvertContext, not
     import tl2cgen
 
     src = workdir / "tl2cgen-src"
+    # Enough source files that the first one compiled tells how long the rest will take (build_c_library).
+    units = max(1, min(int(getattr(treelite_model, "num_tree", 16) or 16), 16))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tl2cgen.generate_c_code(treelite_model, dirpath=str(src), params={"parallel_comp": max(1, ctx.compile_threads * 2)})
+        tl2cgen.generate_c_code(treelite_model, dirpath=str(src), params={"parallel_comp": units})
     header = (src / "header.h").read_text()
     match = re.search(r"void predict\(union Entry\* data, int pred_margin, (float|double)\* result\);", header)
     if match is None:
@@ -74,16 +78,73 @@ def compile_tl2cgen(treelite_model: Any, workdir: Path, ctx: ConvertContext, not
     shim = TL2CGEN_BATCH_SHIM.format(ctype=match.group(1))
     (src / "scorestack_batch.c").write_text(shim)
     recipe = json.loads((src / "recipe.json").read_text())
-    recipe["sources"].append({"name": "scorestack_batch", "length": shim.count("\n")})
-    (src / "recipe.json").write_text(json.dumps(recipe))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        built = Path(tl2cgen.create_shared("gcc", str(src), nthread=ctx.compile_threads))
+    sources = [s["name"] for s in recipe["sources"]] + ["scorestack_batch"]
     # Not `model.so`: beside the runtime's model.py, Python would import the library as the model.
     path = workdir / TL2CGEN_ARTIFACT
-    shutil.move(str(built), path)
+    build_c_library(src, sources, path, ctx.compile_threads, ctx.build_budget_s, "TL2cgen")
     shutil.rmtree(src, ignore_errors=True)
     return batch_library_artifact("tl2cgen", path, ctx, notes)
+
+
+GCC_OBJECT = ["gcc", "-c", "-O3", "-fPIC", "-std=c99"]  # TL2cgen's own gcc recipe (tl2cgen.create_shared)
+
+
+def build_c_library(src: Path, sources: list[str], out: Path, threads: int, budget_s: float, what: str) -> float:
+    """Compile `src/<name>.c` for each name with gcc in `threads` parallel processes, link them into `out`; the seconds it took.
+
+    Bounded by `budget_s` (the spec's `build_budget_s`): the largest files go first, and as each file
+    finishes its bytes per second say how long the rest will take on `threads` cores; as soon as
+    that estimate, or the clock, passes the budget every gcc is stopped and the candidate skipped
+    (registry.Skip) with the estimate, so a model whose generated C would take minutes to build costs
+    the compile one file's time, not the whole build.
+    """
+    size = {name: (src / f"{name}.c").stat().st_size for name in sources}
+    pending = sorted(sources, key=lambda n: -size[n])
+    total = sum(size.values())
+    running: dict[subprocess.Popen, tuple[str, float]] = {}
+    done = [0.0, 0.0]  # bytes compiled, seconds one gcc process spent on them
+    t0 = time.monotonic()
+
+    def over(elapsed: float, estimate: float | None) -> Skip:
+        guess = f"about {estimate:.0f} s" if estimate is not None else f"more than {budget_s:g} s"
+        return Skip(
+            f"{what}: gcc would need {guess} for {total / 1e6:.1f} MB of generated C on {threads} core(s), over the spec's "
+            f"`build_budget_s: {budget_s:g}`; stopped after {elapsed:.1f} s. Raise build_budget_s to build this candidate"
+        )
+
+    try:
+        while pending or running:
+            while pending and len(running) < threads:
+                name = pending.pop(0)
+                proc = subprocess.Popen([*GCC_OBJECT, "-o", f"{name}.o", f"{name}.c"], cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                running[proc] = (name, time.monotonic())
+            time.sleep(0.02)
+            for proc in [p for p in running if p.poll() is not None]:
+                name, started = running.pop(proc)
+                if proc.returncode != 0:
+                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                    raise RuntimeError(f"gcc failed on {name}.c: {err.strip()[:500]}")
+                done[0] += size[name]
+                done[1] += time.monotonic() - started
+            elapsed = time.monotonic() - t0
+            estimate = None
+            if done[0] > 0:
+                left = sum(size[n] for n in pending) + sum(size[n] for n, _ in running.values())
+                estimate = elapsed + left / (done[0] / max(done[1], 1e-3) * threads)
+            if elapsed > budget_s or (estimate is not None and estimate > budget_s):
+                raise over(elapsed, estimate)
+    finally:
+        for proc in running:
+            proc.kill()
+            proc.wait()
+        for proc in running:
+            if proc.stderr:
+                proc.stderr.close()
+    objects = [f"{name}.o" for name in sources]
+    linked = subprocess.run(["gcc", "-shared", "-O3", "-o", str(out.resolve()), *objects, "-std=c99", "-lm"], cwd=src, capture_output=True, text=True)
+    if linked.returncode != 0:
+        raise RuntimeError(f"linking {what} failed: {linked.stderr.strip()[:500]}")
+    return time.monotonic() - t0
 
 
 def batch_library_artifact(fmt: str, path: Path, ctx: ConvertContext, notes: list[str] | None = None) -> Artifact:

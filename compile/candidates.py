@@ -83,6 +83,7 @@ def build_candidates(
         compile_threads=max(1, min(os.cpu_count() or 1, 4)),
         calibration=_calibration(spec, holdout),
         max_batch_size=spec.serving.max_batch,
+        build_budget_s=spec.build_budget_s,
     )
     source_accuracy = verify.accuracy(model.predict(holdout.X), holdout.y) if spec.is_vision and holdout.y is not None else None
     reports: list[CandidateReport] = []
@@ -128,7 +129,7 @@ def _candidate(
         cand = Candidate(art, fdir / "version", emit.package_version(fdir / "version", art), label)
     except registry.Skip as exc:
         # A skipped format is reported once, for the source model, not again for each variant.
-        return None if variant else CandidateReport(format=label, status="skipped", reason=str(exc))
+        return None if variant else CandidateReport(format=label, status="skipped", reason=str(exc), convert_s=round(time.perf_counter() - t0, 3))
     except Exception as exc:  # a converter's failure rejects that candidate, not the compile
         return CandidateReport(format=label, status="failed", variant=variant or None, reason=f"conversion failed: {type(exc).__name__}: {exc}"[:500], convert_s=round(time.perf_counter() - t0, 3))
     rep = CandidateReport(

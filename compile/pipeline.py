@@ -140,6 +140,19 @@ def _measured_batching(spec: ModelSpec, art, settings, n_out: int, native_plan, 
     return settings, emit.write_config(folder, emit.build_config(spec, art, settings, n_out, native_plan=native_plan))
 
 
+class _Stopwatch:
+    """Seconds per compile phase (the report's phases_s); a phase lapped twice adds up."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self.t, 3)
+        self.t = now
+
+
 def compile_model(
     spec_path: str | Path,
     repository: str | Path | None = None,
@@ -164,6 +177,7 @@ def compile_model(
     weights, and its batching behaviour re-derives the queue delay.
     """
     started = time.perf_counter()
+    clock = _Stopwatch()
     spec_path = Path(spec_path).resolve()
     spec = load_spec(spec_path)
     repository = Path(repository) if repository is not None else default_repository()
@@ -182,7 +196,9 @@ def compile_model(
     # container's CPU set trains its passes with no more threads than it has cores.
     # OMP_NUM_THREADS, when set, caps it as it caps the libraries' own thread pools.
     threads_for_training = max(1, min(len(os.sched_getaffinity(0)), 4, _omp_threads()))
+    clock.lap("load")
     model, pass_reports, variants = _apply_passes(spec, source, holdout, threads_for_training)
+    clock.lap("passes")
 
     staging_root = repository.parent / f".{repository.name}.staging"
     staging_root.mkdir(parents=True, exist_ok=True)
@@ -190,19 +206,23 @@ def compile_model(
     worker, where = _worker()
     try:
         with worker:
+            clock.lap("worker")
             reports, candidates = build_candidates(spec, model, holdout, staging / "candidates", worker, variants)
+            clock.lap("candidates")
             if not candidates:
                 why = "; ".join(f"{r.format}: {r.reason}" for r in reports)
                 raise VerificationError(f"model {spec.name}: no candidate reproduces the model ({why})")
             sizes = dispatch.grid(spec.serving.max_batch, tuple(spec.serving.batch_sizes))
             weights = profile.weights(sizes) if profile is not None else spec.serving.weights()
             curves = time_candidates(spec, model, holdout, reports, candidates, worker, sizes, weights)
+            clock.lap("timing")
             dispatch_report, dispatched, dispatch_threads = None, None, 0
             # Image models: candidates are lossy variants checked against a budget, not a tolerance, so
             # bands mixing them could not be verified at the band edges; one format serves every size.
             if spec.serving.dispatch and len(candidates) > 1 and not spec.is_vision:
                 dispatch_report, dispatched, dispatch_threads = dispatch_candidate(spec, model, holdout, curves, candidates, weights, staging / "dispatch", worker)
             verified_in = dict(worker.info, kind=where)
+            clock.lap("dispatch")
         chosen, selected = select_served(reports, candidates, dispatch_report, dispatched, dispatch_threads)
         art = chosen.artifact
         cpus = os.cpu_count() or 1
@@ -223,16 +243,20 @@ def compile_model(
         if native_plan is not None or not spec.is_vision:
             digests = rt.write_manifest(str(folder / str(version)))
         cfg = emit.write_config(folder, emit.build_config(spec, art, settings, n_outputs(spec, model), native_plan=native_plan))
+        clock.lap("emit")
         if spec.serving.batching == "auto":
             settings, cfg = _measured_batching(spec, art, settings, n_outputs(spec, model), native_plan, folder, version, holdout, serve_check)
+            clock.lap("batching")
         report = build_report(
             spec, spec_path, source, model, holdout,
             content_hash=digest, compiler_version=COMPILER_VERSION, sizes=sizes, weights=weights, passes=pass_reports,
             candidates=reports, selected=selected, dispatch=dispatch_report, profile=profile, batch_profile=batch_profile,
             settings=settings, config=cfg, dest=dest, version=version, digests=digests, verified_in=verified_in,
         )  # fmt: skip
+        clock.lap("emit")
         if serve_check:
             report.serve_check = _serve_check(spec, model, holdout, chosen, folder)
+            clock.lap("serve_check")
             if report.serve_check.status != "passed":
                 previous = f"version {existing[-1]} stays in place" if existing else "nothing was written"
                 raise VerificationError(
@@ -242,6 +266,8 @@ def compile_model(
         else:
             report.serve_check = ServeCheckReport(status="skipped", reason="--no-serve-check")
         report.retired = to_retire(dest, cfg, repository, version)
+        clock.lap("emit")
+        report.phases_s = clock.phases
         report.duration_s = round(time.perf_counter() - started, 2)
         (folder / "report.json").write_text(report.model_dump_json(indent=2))
         (folder / "report.md").write_text(render_markdown(report))

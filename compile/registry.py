@@ -29,6 +29,7 @@ class ConvertContext:
     compile_threads: int = 2
     calibration: np.ndarray | None = None  # image models: uint8 images for INT8 calibration (spec `calibration`)
     max_batch_size: int = 0  # the largest batch the model serves (TensorRT's optimization profile)
+    build_budget_s: float = 20.0  # the longest a native build (TL2cgen's gcc) may take: the spec's build_budget_s
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,9 @@ class CompileReport(_Model):
     skipped: bool = False  # true when an unchanged spec + source was not recompiled
     created_at: str
     duration_s: float
+    # Seconds per phase (load, passes, worker, candidates, timing, dispatch, emit, batching, serve_check):
+    # they add up to duration_s; "candidates" holds each candidate's convert + load + verify (its row).
+    phases_s: dict[str, float] = Field(default_factory=dict)
     machine: dict[str, Any]
     source: SourceReport
     holdout_rows: int
@@ -295,7 +298,8 @@ def render_markdown(r: CompileReport) -> str:
         f"- serving check: {_serve_check_line(r.serve_check)}",
         *(f"- retired version {v.version}: {v.reason}; moved to `{v.moved_to}`" for v in r.retired),
         f"- machine: {r.machine.get('cpus')} CPUs, {r.machine.get('platform')}",
-        f"- content hash: `{r.content_hash[:16]}…`; compiled in {r.duration_s:.1f} s",
+        f"- content hash: `{r.content_hash[:16]}…`; compiled in {r.duration_s:.1f} s"
+        + (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in r.phases_s.items()) + "; each candidate's share below)" if r.phases_s else ""),
         "",
         "## Passes",
         "",

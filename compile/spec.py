@@ -232,6 +232,9 @@ class ModelSpec(_Strict):
     threads: list[PositiveInt] = Field(default_factory=lambda: [1], min_length=1)
     holdout: Path
     formats: list[Format] | None = None  # restrict the candidates (default: every registered format)
+    # The longest one candidate's native build (TL2cgen's gcc) may take; a build estimated or found to
+    # take longer is stopped and the candidate skipped, its estimate in the report (docs/compile.md).
+    build_budget_s: PositiveFloat = 20.0
     # image-classification: .npz of uint8 images X (INT8 calibration; default: the first held-out images)
     # and of labelled training images X, y (fine-tuning after pruning, distillation).
     calibration: Path | None = None
@@ -333,6 +336,7 @@ _FIXES = {
     "holdout": "give a .npz file with arrays X and y (and group for ranking)",
     "formats": "use some of onnx, onnx-int8, native, tl2cgen, trees, hummingbird, tensorrt, tensorrt-int8, onnx-tensorrt",
     "target": "use cpu or gpu",
+    "build_budget_s": "give the seconds one candidate's native build may take, such as 60",
 }
 
 def _num(v: Any) -> str:

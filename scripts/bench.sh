@@ -8,7 +8,8 @@
 # plan); the velocity counters under 4 writer processes and a Redis restart (velocity). Writes
 # benchmarks/results/{peers,admission,e2e,velocity}.{json,md} and regenerates benchmarks/REPORT.md,
 # whose tables judge the goals. The soak (10 minutes at 70% of the sustainable maximum) runs on its own:
-# --only soak (with --quick: 60 seconds).
+# --only soak (with --quick: 60 seconds); so do the compiles of six tree models users bring:
+# --only trees (~2 minutes; benchmarks/results/trees.{json,md}).
 #
 #   scripts/bench.sh                 # everything (~15 minutes on 2 cores)
 #   scripts/bench.sh --quick         # everything, short (a smoke run, not for the results)
@@ -26,15 +27,15 @@ suite_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=(--quick); shift ;;
-    --only) [ $# -ge 2 ] || { echo "scripts/bench.sh: --only needs a part: peers, admission, e2e, velocity or soak" >&2; exit 2; }
+    --only) [ $# -ge 2 ] || { echo "scripts/bench.sh: --only needs a part: peers, admission, e2e, velocity, soak or trees" >&2; exit 2; }
             only="$2"; shift 2 ;;
     --only=*) only="${1#--only=}"; shift ;;
     *) suite_args+=("$1"); shift ;;
   esac
 done
 case "$only" in
-  ""|peers|admission|e2e|velocity|soak) ;;
-  *) echo "scripts/bench.sh: --only $only: choose peers, admission, e2e, velocity or soak" >&2; exit 2 ;;
+  ""|peers|admission|e2e|velocity|soak|trees) ;;
+  *) echo "scripts/bench.sh: --only $only: choose peers, admission, e2e, velocity, soak or trees" >&2; exit 2 ;;
 esac
 if [ ${#suite_args[@]} -gt 0 ] && [ "$only" != "peers" ]; then
   echo "scripts/bench.sh: options ${suite_args[*]} are suite.py's: add --only peers" >&2
@@ -64,6 +65,10 @@ if [ -z "$only" ] || [ "$only" = velocity ]; then
   else
     "$PY" benchmarks/bench_velocity.py
   fi
+fi
+if [ "$only" = trees ]; then
+  step "tree models users bring, compiled with a first spec: benchmarks/bench_trees.py"
+  "$PY" benchmarks/bench_trees.py "${quick[@]}"
 fi
 if [ "$only" = soak ]; then
   step "soak: benchmarks/soak.py"

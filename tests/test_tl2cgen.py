@@ -10,7 +10,7 @@ import tl2cgen
 import xgboost as xgb
 
 from scorestack.compile._tree_commons import compile_tl2cgen
-from scorestack.compile.registry import ConvertContext
+from scorestack.compile.registry import ConvertContext, Skip
 from scorestack.serve.runtime.scorestack_runtime import TL2cgenRunner
 
 CASES = {
@@ -53,3 +53,19 @@ def test_wrong_column_count_is_a_clear_error(tmp_path):
     runner = TL2cgenRunner(str(art.path), 1, {}, ["y"])
     with pytest.raises(ValueError, match="5 input columns"):
         runner.run([("features", X[:, :5])])
+
+
+def test_a_build_over_its_budget_is_stopped_and_names_the_setting(tmp_path):
+    """A model whose generated C takes longer to build than the spec's build_budget_s: every gcc is
+    stopped (none outlives the call), the candidate is skipped with the estimate and the setting, and
+    nothing half-built is left behind as the artifact."""
+    import psutil
+
+    rng = np.random.default_rng(9)
+    X = rng.normal(size=(3000, 20)).astype(np.float32)
+    booster = xgb.train({"objective": "binary:logistic", "max_depth": 8}, xgb.DMatrix(X, (X[:, 0] * X[:, 1] > 0).astype(int)), 200)
+    ctx = ConvertContext(task="binary", n_features=20, target="y", sample=X[:4], build_budget_s=0.2)
+    with pytest.raises(Skip, match=r"TL2cgen: gcc would need .* MB of generated C on 2 core\(s\), over the spec's `build_budget_s: 0.2`; stopped after .* Raise build_budget_s"):
+        compile_tl2cgen(treelite.frontend.from_xgboost(booster), tmp_path, ctx)
+    assert not [p for p in psutil.Process().children(recursive=True) if p.name() in ("gcc", "cc1")]
+    assert not (tmp_path / "model-tl2cgen.so").exists()

@@ -92,7 +92,7 @@ def test_regression_in_the_hundreds_compiles_and_is_served_within_the_stated_tol
     np.savez(tmp_path / "holdout.npz", X=X[600:], y=y[600:])
     (tmp_path / "gbr.yaml").write_text(
         "name: gbr\nsource: {path: gbr.joblib, format: joblib, trusted: true}\ntask: regression\n"
-        "inputs: {features: [a, b, c, d, e, f]}\nholdout: holdout.npz\nformats: [onnx, native]\n"
+        "inputs: {features: [a, b, c, d, e, f]}\nholdout: holdout.npz\nformats: [onnx, native, tl2cgen]\nbuild_budget_s: 0.001\n"
     )
     report = compile_model(tmp_path / "gbr.yaml", tmp_path / "repo")
     assert (report.tolerance, report.relative_tolerance) == (1e-5, 1e-5)
@@ -102,6 +102,13 @@ def test_regression_in_the_hundreds_compiles_and_is_served_within_the_stated_tol
     assert all(by[f].convert_s is not None and by[f].load_s is not None and by[f].verify_s is not None for f in ("onnx", "native"))
     assert report.serve_check.status == "passed"
     assert report.serve_check.max_abs_diff <= 1e-5 + 1e-5 * 490
+    # The TL2cgen build could not finish within the spec's build_budget_s: stopped, skipped, its time counted.
+    assert by["tl2cgen"].status == "skipped" and "`build_budget_s: 0.001`" in by["tl2cgen"].reason and by["tl2cgen"].convert_s is not None
+    # Where the compile's time went: the phases add up to the duration, and the candidates' own times fit in theirs.
+    assert set(report.phases_s) >= {"load", "passes", "worker", "candidates", "timing", "emit", "serve_check"}
+    assert abs(sum(report.phases_s.values()) - report.duration_s) < 0.05
+    spent = sum(t for c in report.candidates for t in (c.convert_s, c.load_s, c.verify_s) if t is not None)
+    assert spent <= report.phases_s["candidates"]
 
 
 def test_the_runtime_runs_scikit_learn_models_on_the_serving_threads(tmp_path):

@@ -1,0 +1,138 @@
+"""Tree models users bring: six the demo never trained, compiled with the spec a user writes first.
+
+Each model is trained on synthetic data with common settings, saved as a user saves it (joblib), and
+compiled with a spec that names only the source, the task, the features and the held-out rows (no
+verification block, every format). The compile report gives what this writes: the compile time and
+where it went (phases, each candidate's build + load + verify), the selected format, its speed
+against the source library's own predict at batch 1 and at the largest batch (the `native`
+candidate, timed side by side in the same worker with the serving thread count), and the served
+model checked over gRPC against the source in the real local Triton. For LightGBM also its own
+single-threaded `Booster.predict` on one row, in this process. Results: results/trees.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import joblib
+import numpy as np
+import yaml
+from harness import machine, table, write_results
+
+from scorestack import paths
+from scorestack.compile import compile_model
+
+
+def models(quick: bool) -> dict:
+    from lightgbm import LGBMClassifier
+    from sklearn.ensemble import GradientBoostingRegressor, HistGradientBoostingClassifier, RandomForestClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    from xgboost import XGBClassifier
+
+    k = 4 if quick else 1
+    return {
+        "hgb_defaults": ("binary", HistGradientBoostingClassifier(random_state=0)),
+        "rf_unbounded": ("binary", RandomForestClassifier(100 // k, n_jobs=2, random_state=0)),
+        "xgb_5_classes": ("multiclass", XGBClassifier(n_estimators=200 // k, max_depth=8, n_jobs=2, random_state=0)),
+        "lgbm_joblib": ("binary", LGBMClassifier(n_estimators=200 // k, num_leaves=63, n_jobs=2, verbose=-1, random_state=0)),
+        "gbr_hundreds": ("regression", GradientBoostingRegressor(n_estimators=100 // k, random_state=0)),
+        "scaler_logistic": ("binary", make_pipeline(StandardScaler(), LogisticRegression(max_iter=500))),
+    }
+
+
+def data(task: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import make_classification, make_regression
+
+    if task == "regression":
+        X, y = make_regression(n_samples=rows, n_features=20, n_informative=10, noise=5.0, random_state=0)
+        return X.astype(np.float32), y / np.abs(y).max() * 490  # targets up to ±490
+    X, y = make_classification(n_samples=rows, n_features=20, n_informative=10, n_classes=5 if task == "multiclass" else 2, random_state=0)
+    return X.astype(np.float32), y
+
+
+def one_row_us(predict, x: np.ndarray, calls: int = 300) -> float:
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        predict(x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def compile_one(name: str, task: str, model, rows: int, work: Path) -> dict:
+    X, y = data(task, rows)
+    cut = rows * 9 // 10
+    model.fit(X[:cut], y[:cut])
+    d = work / name
+    d.mkdir(parents=True, exist_ok=True)
+    joblib.dump(model, d / "model.joblib")
+    np.savez(d / "holdout.npz", X=X[cut:], y=y[cut:])
+    spec = {"name": name, "source": {"path": "model.joblib", "format": "joblib", "trusted": True}, "task": task,
+            "inputs": {"features": [f"f{i}" for i in range(X.shape[1])]}, "holdout": "holdout.npz"}  # fmt: skip
+    (d / "spec.yaml").write_text(yaml.safe_dump(spec))
+    t0 = time.perf_counter()
+    r = compile_model(d / "spec.yaml", work / "repository", force=True)
+    wall = time.perf_counter() - t0
+    by = {c.format: c for c in r.candidates}
+    sizes = [str(b) for b in r.batch_sizes]
+    largest = str(max(r.batch_sizes))
+    sel = r.selected.latency_us
+    native = by.get("native")
+    ratio = {b: native.latency_us[b] / sel[b] for b in ("1", largest) if native and b in native.latency_us and b in sel}
+    out = {
+        "task": task, "source": r.source.description, "compile_s": round(wall, 1), "phases_s": r.phases_s, "selected": r.selected.format,
+        "selected_us": {b: sel.get(b) for b in sizes}, "vs_native": ratio, "largest_batch": int(largest),
+        "served_max_abs_diff": r.serve_check.max_abs_diff, "serve_check": r.serve_check.status, "tolerance": [r.tolerance, r.relative_tolerance],
+        "candidates": [{"format": c.format, "status": c.status, "s": round(sum(t or 0 for t in (c.convert_s, c.load_s, c.verify_s)), 2),
+                        "b1_us": c.latency_us.get("1"), "reason": (c.reason or "")[:200]} for c in r.candidates],
+    }  # fmt: skip
+    if name.startswith("lgbm"):
+        booster = model.booster_
+        out["lightgbm_predict_b1_us"] = round(one_row_us(lambda x: booster.predict(x, num_threads=1), X[cut : cut + 1]), 1)
+    return out
+
+
+def render(data: dict) -> str:
+    lines = ["# Tree models users bring, compiled with the spec a user writes first", "", data["note"], ""]
+    rows = []
+    for name, m in data["models"].items():
+        vs = m["vs_native"]
+        lg = f"; LightGBM predict {m['lightgbm_predict_b1_us']:.0f} µs = {m['lightgbm_predict_b1_us'] / m['selected_us']['1']:.1f}x" if "lightgbm_predict_b1_us" in m else ""
+        rows.append([name, f"{m['compile_s']:.0f}", m["selected"], f"{m['selected_us']['1']:.1f}{lg}",
+                     " / ".join(f"{vs[b]:.1f}x" for b in vs) or "–", f"{m['served_max_abs_diff']:.1e} ({m['serve_check']})"])  # fmt: skip
+    lines += table(["model", "compile s", "selected", "batch 1 µs", "vs native b1 / largest", "served max |Δ|"], rows)
+    for name, m in data["models"].items():
+        lines += ["", f"## {name}: {m['source']}", "", "Phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in m["phases_s"].items()), ""]
+        lines += table(["candidate", "status", "build + load + verify s", "batch 1 µs", "reason"],
+                       [[c["format"], c["status"], f"{c['s']:.1f}", "–" if c["b1_us"] is None else f"{c['b1_us']:.1f}", c["reason"]] for c in m["candidates"]])  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a quarter of the trees and rows (a smoke run, not for the results)")
+    ap.add_argument("--only", help="comma-separated model names")
+    args = ap.parse_args(argv)
+    rows = 5000 if args.quick else 20000
+    work = paths.workspace() / "bench_trees"
+    chosen = {k: v for k, v in models(args.quick).items() if not args.only or k in args.only.split(",")}
+    results = {}
+    for name, (task, model) in chosen.items():
+        print(f"== {name}", flush=True)
+        results[name] = compile_one(name, task, model, rows, work)
+        print(f"   compiled in {results[name]['compile_s']} s: {results[name]['selected']}", flush=True)
+    note = (f"{rows} synthetic rows (20 features; 10% held out); each model compiled once with `force`; compile s is the wall time of "
+            "compile_model, phases from its report. vs native: the source library's predict (the `native` candidate, serving threads) "
+            "over the selected format, in the same worker.")  # fmt: skip
+    data = {"machine": machine(), "quick": args.quick, "rows": rows, "note": note, "models": results}
+    write_results("trees" if not args.quick else "trees_quick", data, render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
