@@ -67,7 +67,7 @@ def compile_tl2cgen(treelite_model: Any, workdir: Path, ctx: ConvertContext, not
 
     src = workdir / "tl2cgen-src"
     # Enough source files that the first one compiled tells how long the rest will take (build_c_library).
-    units = max(1, min(int(getattr(treelite_model, "num_tree", 16) or 16), 16))
+    units = max(1, min(int(getattr(treelite_model, "num_tree", 32) or 32), 32))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tl2cgen.generate_c_code(treelite_model, dirpath=str(src), params={"parallel_comp": units})
@@ -87,12 +87,17 @@ def compile_tl2cgen(treelite_model: Any, workdir: Path, ctx: ConvertContext, not
 
 
 GCC_OBJECT = ["gcc", "-c", "-O3", "-fPIC", "-std=c99"]  # TL2cgen's own gcc recipe (tl2cgen.create_shared)
+# An optimistic gcc -O3 rate on TL2cgen's C, per core: about 3x the fastest measured here (0.13-0.19 MB/s
+# for 11-35 MB of a 5-class XGBoost model and an unbounded random forest). A build that would take
+# longer than the budget even at this rate is not started.
+GCC_FASTEST_BYTES_PER_S = 0.5e6
 
 
 def build_c_library(src: Path, sources: list[str], out: Path, threads: int, budget_s: float, what: str) -> float:
     """Compile `src/<name>.c` for each name with gcc in `threads` parallel processes, link them into `out`; the seconds it took.
 
-    Bounded by `budget_s` (the spec's `build_budget_s`): the largest files go first, and as each file
+    Bounded by `budget_s` (the spec's `build_budget_s`): a build that would overrun it even at an
+    optimistic gcc rate (GCC_FASTEST_BYTES_PER_S) is not started; otherwise the largest files go first, and as each file
     finishes its bytes per second say how long the rest will take on `threads` cores; as soon as
     that estimate, or the clock, passes the budget every gcc is stopped and the candidate skipped
     (registry.Skip) with the estimate, so a model whose generated C would take minutes to build costs
@@ -104,14 +109,21 @@ def build_c_library(src: Path, sources: list[str], out: Path, threads: int, budg
     running: dict[subprocess.Popen, tuple[str, float]] = {}
     done = [0.0, 0.0]  # bytes compiled, seconds one gcc process spent on them
     t0 = time.monotonic()
+    fastest = total / (GCC_FASTEST_BYTES_PER_S * threads)
 
     def over(elapsed: float, estimate: float | None) -> Skip:
-        guess = f"about {estimate:.0f} s" if estimate is not None else f"more than {budget_s:g} s"
+        guess = f"about {estimate:.0f} s" if estimate is not None else f"more than {max(budget_s, fastest):.0f} s"
         return Skip(
             f"{what}: gcc would need {guess} for {total / 1e6:.1f} MB of generated C on {threads} core(s), over the spec's "
             f"`build_budget_s: {budget_s:g}`; stopped after {elapsed:.1f} s. Raise build_budget_s to build this candidate"
         )
 
+    if fastest > budget_s:
+        raise Skip(
+            f"{what}: gcc would need more than {fastest:.0f} s for {total / 1e6:.1f} MB of generated C on {threads} core(s) (at "
+            f"{GCC_FASTEST_BYTES_PER_S / 1e6:g} MB/s a core, faster than measured), over the spec's `build_budget_s: {budget_s:g}`; "
+            "not started. Raise build_budget_s to build this candidate"
+        )
     try:
         while pending or running:
             while pending and len(running) < threads:

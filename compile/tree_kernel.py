@@ -56,6 +56,7 @@ def model_dict(treelite_model: Any) -> dict[str, Any]:
         "postprocessor": str(field("postprocessor")),
         "sigmoid_alpha": float(field("sigmoid_alpha")[0]),
         "base_scores": [float(v) for v in field("base_scores")],
+        "class_id": [int(v) for v in field("class_id")],
         "trees": [],
     }
     for k in range(treelite_model.num_tree):
@@ -63,11 +64,12 @@ def model_dict(treelite_model: Any) -> dict[str, Any]:
         kind, left, right = tree.get_field("node_type"), tree.get_field("cleft"), tree.get_field("cright")
         feature, threshold, cmp, default_left = (tree.get_field(f) for f in ("split_index", "threshold", "cmp", "default_left"))
         leaf_value, leaf_vector = tree.get_field("leaf_value"), tree.get_field("leaf_vector")
-        if len(leaf_vector):
-            raise Skip("leaf vectors (several outputs per leaf): the tree kernel scores one output per row")
+        begin, end = (tree.get_field("leaf_vector_begin"), tree.get_field("leaf_vector_end")) if len(leaf_vector) else (None, None)
         nodes = []
         for i in range(int(tree.get_field("num_nodes")[0])):
-            if kind[i] == 0:
+            if kind[i] == 0 and begin is not None and end[i] > begin[i]:
+                nodes.append({"node_id": i, "leaf_vector": [float(v) for v in leaf_vector[begin[i] : end[i]]]})
+            elif kind[i] == 0:
                 nodes.append({"node_id": i, "leaf_value": float(leaf_value[i])})
             else:
                 nodes.append({
@@ -102,7 +104,7 @@ def _tree_depth(nodes: dict[int, dict[str, Any]], root: int = 0) -> int:
     while stack:
         nid, d = stack.pop()
         node = nodes[nid]
-        if "leaf_value" in node:
+        if "leaf_value" in node or "leaf_vector" in node:
             depth = max(depth, d)
         else:
             stack += [(node["left_child"], d + 1), (node["right_child"], d + 1)]
@@ -235,22 +237,195 @@ int scorestack_predict_batch(const float* X, int64_t n_rows, int32_t n_cols, int
 """
 
 
-def build_kernel(model: dict[str, Any], out: Path) -> Path:
-    """Generate and compile the kernel of a Treelite model (model_dict) into the shared library `out`."""
+NODE_DTYPE = np.dtype([("thr", "<f4"), ("fm", "<i4"), ("ch", "<i4")])  # the C kernel's `Node`
+MAX_OUTPUTS = 256
+_NODE_POST = {"identity", "identity_multiclass", "sigmoid", "softmax", "multiclass_ova"}
+
+
+def node_arrays(model: dict[str, Any]) -> dict[str, Any]:
+    """The node layout of a Treelite model (model_dict): trees of any depth, unpadded, and several outputs a row.
+
+    Every node is one record (float32 threshold, feature | missing-goes-right << 30, first child); a
+    node's two children are adjacent, so the right one is `ch + 1`; a leaf has feature -1 and keeps
+    its value in the threshold field (one output per tree, added to the tree's class) or, for leaf
+    vectors (a random forest's class probabilities), the offset of its vector in `leafv`.
+    """
+    if model.get("num_target") != 1:
+        raise Skip(f"{model.get('num_target')} targets: the tree kernel scores models with one target")
+    k = max(model.get("num_class") or [1])
+    shape = list(model.get("leaf_vector_shape") or [1, 1])
+    vectors = shape != [1, 1]
+    if vectors and shape != [1, k]:
+        raise Skip(f"leaf vectors of shape {shape}: the tree kernel takes one value or one per class ({k}) a leaf")
+    if k > MAX_OUTPUTS:
+        raise Skip(f"{k} classes: the tree kernel scores up to {MAX_OUTPUTS} outputs a row")
+    post = model.get("postprocessor")
+    if post not in _NODE_POST:
+        raise Skip(f"postprocessor {post!r}: the tree kernel applies {', '.join(sorted(_NODE_POST))}")
+    n_trees = len(model["trees"])
+    classes = list(model.get("class_id") or [0] * n_trees)
+    if vectors:
+        classes = [-1] * n_trees
+    elif any(c < 0 for c in classes):
+        classes = [0 if k == 1 else -2 for c in classes]
+        if k != 1:
+            raise Skip("scalar leaves shared by every class: the tree kernel adds a scalar leaf to its tree's class")
+    records: list[tuple[float, int, int]] = []
+    leafv: list[float] = []
+    roots, depth = [], 0
+    for tree in model["trees"]:
+        nodes = {n["node_id"]: n for n in tree["nodes"]}
+        depth = max(depth, _tree_depth(nodes))
+        roots.append(len(records))
+        records.append((0.0, -1, 0))
+        queue = [(0, roots[-1])]
+        while queue:
+            nid, slot = queue.pop()
+            node = nodes[nid]
+            if "leaf_vector" in node:
+                if len(node["leaf_vector"]) != k:
+                    raise Skip(f"a leaf vector of {len(node['leaf_vector'])} values for {k} classes")
+                records[slot] = (0.0, -1, len(leafv))
+                leafv += node["leaf_vector"]
+            elif "leaf_value" in node:
+                if vectors:
+                    raise Skip("a scalar leaf in a model of leaf vectors")
+                records[slot] = (float(np.float32(node["leaf_value"])), -1, 0)
+            else:
+                if node.get("node_type", "numerical_test_node") != "numerical_test_node":
+                    raise Skip(f"node type {node.get('node_type')!r}: the tree kernel handles numerical splits")
+                feature = int(node["split_feature_id"])
+                if not 0 <= feature < (1 << 30):
+                    raise Skip(f"split feature {feature}: out of the kernel's range")
+                left = len(records)
+                records += [(0.0, -1, 0), (0.0, -1, 0)]
+                records[slot] = (float(_threshold32(float(node["threshold"]), node["comparison_op"])), feature | (0 if node["default_left"] else 1 << 30), left)
+                queue += [(node["left_child"], left), (node["right_child"], left + 1)]
+    per_class = [sum(1 for c in classes if c in (-1, j)) for j in range(k)]
+    base = list(model.get("base_scores") or [0.0]) + [0.0] * k
+    return {
+        "nodes": np.array(records, dtype=NODE_DTYPE), "leafv": np.array(leafv or [0.0], np.float32), "roots": roots, "classes": classes,
+        "k": k, "vectors": vectors, "depth": depth, "n_feature": int(model["num_feature"]), "post": post, "alpha": float(model.get("sigmoid_alpha", 1.0)),
+        "average": [float(n) if model.get("average_tree_output") else 1.0 for n in per_class], "base": base[:k],
+    }  # fmt: skip
+
+
+def node_kernel_source(arrays: dict[str, Any], nodes_bin: Path, leafv_bin: Path) -> str:
+    """The C source of the node-layout kernel: its node records and leaf vectors are assembled from
+    `nodes_bin` / `leafv_bin` with .incbin (gcc does not parse megabytes of literals)."""
+    for path in (nodes_bin, leafv_bin):
+        if any(c in str(path) for c in '"\\\n'):
+            raise Skip(f"the build folder {path.parent} has a quote, backslash or newline in its name")
+    k, n_trees = arrays["k"], len(arrays["roots"])
+    leaf = "const float* lv = SS_LEAFV + nd->ch; for (int j = 0; j < K; ++j) a[j] += lv[j];" if arrays["vectors"] else "a[c] += nd->thr;"
+    post = arrays["post"]
+    finish = {
+        "sigmoid": "for (int j = 0; j < K; ++j) r[j] = (float)(1.0 / (1.0 + exp(-ALPHA * m[j])));",
+        "multiclass_ova": "for (int j = 0; j < K; ++j) r[j] = (float)(1.0 / (1.0 + exp(-ALPHA * m[j])));",
+        "softmax": "double mx = m[0]; for (int j = 1; j < K; ++j) mx = m[j] > mx ? m[j] : mx; double z = 0; "
+        "for (int j = 0; j < K; ++j) z += exp(m[j] - mx); for (int j = 0; j < K; ++j) r[j] = (float)(exp(m[j] - mx) / z);",
+    }.get(post, "for (int j = 0; j < K; ++j) r[j] = (float)m[j];")
+    return f"""/* Generated by scorestack (compile/tree_kernel.py): {n_trees} trees in the node layout (depth up to {arrays['depth']}, {k} output(s)). */
+#include <math.h>
+#include <stdint.h>
+
+#define N_TREES {n_trees}
+#define K {k}
+#define N_FEATURE {arrays['n_feature']}
+#define ROW_BLOCK {ROW_BLOCK}
+#define ALPHA {arrays['alpha']!r}
+
+typedef struct {{ float thr; int32_t fm; int32_t ch; }} Node;
+__asm__(".section .rodata\\n.balign 16\\nSS_NODES:\\n.incbin \\"{nodes_bin}\\"\\n.balign 16\\nSS_LEAFV:\\n.incbin \\"{leafv_bin}\\"\\n.previous\\n");
+extern const Node SS_NODES[] __attribute__((visibility("hidden")));
+extern const float SS_LEAFV[] __attribute__((visibility("hidden")));
+static const int32_t ROOT[N_TREES] = {{{",".join(str(r) for r in arrays["roots"])}}};
+static const int32_t CLS[N_TREES] = {{{",".join(str(max(c, 0)) for c in arrays["classes"])}}};
+static const double AVERAGE[K] = {{{",".join(repr(v) for v in arrays["average"])}}};
+static const double BASE[K] = {{{",".join(repr(v) for v in arrays["base"])}}};
+
+const char* scorestack_result_type(void) {{ return "float"; }}
+void scorestack_output_shape(int64_t* shape) {{ shape[0] = 1; shape[1] = K; }}
+
+int scorestack_predict_batch(const float* X, int64_t n_rows, int32_t n_cols, int pred_margin, float* out) {{
+  if (n_cols != N_FEATURE) return -1;
+  double acc[ROW_BLOCK * K];
+  for (int64_t i0 = 0; i0 < n_rows; i0 += ROW_BLOCK) {{
+    const int64_t nb = (n_rows - i0) < ROW_BLOCK ? (n_rows - i0) : ROW_BLOCK;
+    const float* xb = X + i0 * N_FEATURE;
+    for (int64_t j = 0; j < nb * K; ++j) acc[j] = 0.0;
+    for (int t = 0; t < N_TREES; ++t) {{
+      const int32_t root = ROOT[t];
+      const int c = CLS[t];
+      (void)c;
+      for (int64_t b = 0; b < nb; ++b) {{
+        const float* x = xb + b * N_FEATURE;
+        const Node* nd = SS_NODES + root;
+        int32_t fm;
+        while ((fm = nd->fm) >= 0) {{  /* the child is chosen without a branch; only the walk's end is one */
+          const float v = x[fm & 0x3fffffff];
+          nd = SS_NODES + nd->ch + (int32_t)((v >= nd->thr) | ((v != v) & (fm >> 30)));
+        }}
+        double* a = acc + b * K;
+        {leaf}
+      }}
+    }}
+    for (int64_t b = 0; b < nb; ++b) {{
+      double m[K];
+      float* r = out + (i0 + b) * K;
+      for (int j = 0; j < K; ++j) m[j] = acc[b * K + j] / AVERAGE[j] + BASE[j];
+      if (pred_margin) {{ for (int j = 0; j < K; ++j) r[j] = (float)m[j]; continue; }}
+      {finish}
+    }}
+  }}
+  return 0;
+}}
+"""
+
+
+def _gcc(source: Path, out: Path) -> None:
+    cmd = ["gcc", "-O3", "-fPIC", "-shared", "-std=c99", "-o", str(out), str(source), "-lm"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise Skip(f"gcc failed to build the tree kernel: {done.stderr.strip()[:500]}")
+
+
+def build_kernel(model: dict[str, Any], out: Path) -> tuple[Path, str]:
+    """Generate and compile the kernel of a Treelite model (model_dict) into the shared library `out`;
+    also which layout it took and why (for the compile report).
+
+    Shallow single-output ensembles get the complete-tree layout (branch-free, fastest at large
+    batches); every other numerical ensemble (deep or unbalanced trees, several classes, leaf
+    vectors, averaged forests) the node layout."""
     if shutil.which("gcc") is None:
         raise Skip("gcc not found: the tree kernel needs a C compiler")
     source = out.with_suffix(".c")
-    source.write_text(kernel_source(tree_arrays(model)))
-    cmd = ["gcc", "-O3", "-fPIC", "-shared", "-std=c99", "-o", str(out), str(source), "-lm"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    source.unlink(missing_ok=True)
-    if done.returncode != 0:
-        raise Skip(f"gcc failed to build the tree kernel: {done.stderr.strip()[:500]}")
-    return out
+    try:
+        arrays = tree_arrays(model)
+        source.write_text(kernel_source(arrays))
+        how = f"tree kernel, complete-tree layout: {len(arrays['feat'])} trees padded to depth {arrays['depth']}"
+        files = [source]
+    except Skip as why:
+        nodes = node_arrays(model)
+        nodes_bin, leafv_bin = out.with_suffix(".nodes"), out.with_suffix(".leafv")
+        nodes["nodes"].tofile(nodes_bin)
+        nodes["leafv"].tofile(leafv_bin)
+        source.write_text(node_kernel_source(nodes, nodes_bin.resolve(), leafv_bin.resolve()))
+        how = (f"tree kernel, node layout: {len(nodes['roots'])} trees up to depth {nodes['depth']}, {len(nodes['nodes'])} nodes, "
+               f"{nodes['k']} output(s){' from leaf vectors' if nodes['vectors'] else ''}{', averaged' if nodes['average'][0] != 1.0 else ''} "
+               f"(not the complete-tree layout: {why})")  # fmt: skip
+        files = [source, nodes_bin, leafv_bin]
+    try:
+        _gcc(source, out)
+    finally:
+        for f in files:
+            f.unlink(missing_ok=True)
+    return out, how
 
 
 def compile_tree_kernel(treelite_model: Any, workdir: Path, ctx: ConvertContext, notes: list[str] | None = None) -> Artifact:
     """The tree-kernel candidate of a Treelite model (its format `trees`, served by the runtime's ctypes batch runner)."""
     from ._tree_commons import batch_library_artifact
 
-    return batch_library_artifact("trees", build_kernel(model_dict(treelite_model), workdir / TREE_KERNEL_ARTIFACT), ctx, notes)
+    path, how = build_kernel(model_dict(treelite_model), workdir / TREE_KERNEL_ARTIFACT)
+    return batch_library_artifact("trees", path, ctx, [*(notes or []), how])

@@ -63,9 +63,17 @@ def test_a_build_over_its_budget_is_stopped_and_names_the_setting(tmp_path):
 
     rng = np.random.default_rng(9)
     X = rng.normal(size=(3000, 20)).astype(np.float32)
-    booster = xgb.train({"objective": "binary:logistic", "max_depth": 8}, xgb.DMatrix(X, (X[:, 0] * X[:, 1] > 0).astype(int)), 200)
+    # Random labels: trees grow deep (about 1.7 MB of C, a few seconds of gcc).
+    booster = xgb.train({"objective": "binary:logistic", "max_depth": 10}, xgb.DMatrix(X, rng.integers(0, 2, size=len(X))), 200)
+    model = treelite.frontend.from_xgboost(booster)
+    # Too large for the budget even at an optimistic gcc rate: not started.
     ctx = ConvertContext(task="binary", n_features=20, target="y", sample=X[:4], build_budget_s=0.2)
-    with pytest.raises(Skip, match=r"TL2cgen: gcc would need .* MB of generated C on 2 core\(s\), over the spec's `build_budget_s: 0.2`; stopped after .* Raise build_budget_s"):
-        compile_tl2cgen(treelite.frontend.from_xgboost(booster), tmp_path, ctx)
+    with pytest.raises(Skip, match=r"TL2cgen: gcc would need more than .* MB of generated C on 2 core\(s\) .* over the spec's `build_budget_s: 0.2`; not started. Raise build_budget_s") as refused:
+        compile_tl2cgen(model, tmp_path, ctx)
+    fastest = float(str(refused.value).split("more than ")[1].split(" s")[0])
+    # A budget the optimistic rate fits but gcc does not: started, then stopped by the estimate or the clock.
+    ctx = ConvertContext(task="binary", n_features=20, target="y", sample=X[:4], build_budget_s=max(1.0, fastest * 1.5))
+    with pytest.raises(Skip, match=r"TL2cgen: gcc would need .* MB of generated C on 2 core\(s\), over the spec's `build_budget_s: .*`; stopped after .* Raise build_budget_s"):
+        compile_tl2cgen(model, tmp_path, ctx)
     assert not [p for p in psutil.Process().children(recursive=True) if p.name() in ("gcc", "cc1")]
     assert not (tmp_path / "model-tl2cgen.so").exists()

@@ -1,7 +1,8 @@
-"""scorestack's branch-free tree kernel (compile/tree_kernel.py) against TL2cgen and the source model:
-the same numbers for XGBoost and scikit-learn ensembles, missing values, values exactly on the split
-thresholds, every batch size and both thread paths of the runner that serves it; clear refusals for
-the models it does not handle. Serving through Triton is in test_verified_served.py's matrix."""
+"""scorestack's tree kernel (compile/tree_kernel.py) against TL2cgen and the source model: the same
+numbers for XGBoost, scikit-learn and LightGBM ensembles, missing values, values exactly on the split
+thresholds, every batch size and both thread paths of the runner that serves it; the complete-tree
+layout's refusals, and the node layout taking those models (deep trees, classes, leaf vectors).
+Serving through Triton is in test_verified_served.py's matrix and test_tree_models.py."""
 
 from __future__ import annotations
 
@@ -123,3 +124,48 @@ def test_models_the_kernel_does_not_handle_are_refused_with_the_reason(tmp_path)
     deep = {"num_target": 1, "num_class": [1], "leaf_vector_shape": [1, 1], "postprocessor": "identity", "num_feature": 1, "trees": [{"nodes": list(nodes.values()) + leaves}]}
     with pytest.raises(Skip, match=r"depth 11 > 10"):
         tree_arrays(deep)
+
+
+def _node_layout_cases():
+    import lightgbm as lgb
+    from sklearn.datasets import make_classification
+
+    X, y = make_classification(2000, 12, n_informative=6, n_classes=3, random_state=0)
+    X = X.astype(np.float32)
+    X[::7, 2] = np.nan  # missing values: each library's default direction
+    filled = np.nan_to_num(X)  # random forests here are trained without missing values
+    yb = (y > 0).astype(int)
+    return {
+        "xgboost-3-classes": (xgb.XGBClassifier(n_estimators=20, max_depth=6).fit(X, y), X, "multiclass", "xgboost"),
+        "random-forest-binary": (RandomForestClassifier(15, random_state=0).fit(filled, yb), filled, "binary", "sklearn"),
+        "random-forest-3-classes": (RandomForestClassifier(15, random_state=0).fit(filled, y), filled, "multiclass", "sklearn"),
+        "hgb-deep-binary": (HistGradientBoostingClassifier(max_iter=40, random_state=0).fit(X, yb), X, "binary", "sklearn"),
+        "hgb-3-classes": (HistGradientBoostingClassifier(max_iter=20, random_state=0).fit(X, y), X, "multiclass", "sklearn"),
+        "lightgbm-deep-binary": (lgb.LGBMClassifier(n_estimators=40, num_leaves=63, verbose=-1).fit(X, yb), X, "binary", "lightgbm"),
+        "lightgbm-3-classes": (lgb.LGBMClassifier(n_estimators=20, num_leaves=31, verbose=-1).fit(X, y), X, "multiclass", "lightgbm"),
+    }
+
+
+@pytest.mark.parametrize("case", ["xgboost-3-classes", "random-forest-binary", "random-forest-3-classes", "hgb-deep-binary", "hgb-3-classes", "lightgbm-deep-binary", "lightgbm-3-classes"])
+def test_node_layout_equals_the_source_for_deep_trees_classes_and_leaf_vectors(case, tmp_path):
+    """Trees the complete-tree layout refuses (deeper than 10, several classes, leaf vectors, averaged
+    forests) take the node layout: every class probability equals the source library's, with missing
+    values, at every batch size and on both thread paths; the report note says which layout and why."""
+    source, X, task, kind = _node_layout_cases()[case]
+    importers = {"xgboost": lambda m: treelite.frontend.from_xgboost(m.get_booster()), "sklearn": treelite.sklearn.import_model, "lightgbm": lambda m: treelite.frontend.from_lightgbm(m.booster_)}
+    model = importers[kind](source)
+    reference = source.predict_proba(X)
+    art = compile_tree_kernel(model, tmp_path, ConvertContext(task=task, n_features=12, target="y", sample=X[:8]))
+    assert "node layout" in art.notes[-1] and "not the complete-tree layout" in art.notes[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-trees.so"]  # no C source or node file left behind
+    one, two = TL2cgenRunner(str(art.path), 1, {}, ["y"]), TL2cgenRunner(str(art.path), 2, {}, ["y"])
+    out = one.run([("features", X)])[0].reshape(len(X), -1)
+    if task == "binary":
+        assert art.output_column in (None, 1)
+        got = out[:, art.output_column] if art.output_column is not None else out[:, 0]
+        np.testing.assert_allclose(got, reference[:, 1], rtol=0, atol=1e-6)
+    else:
+        assert out.shape == (len(X), 3)
+        np.testing.assert_allclose(out, reference, rtol=0, atol=1e-6)
+    for n in (1, 63, 64, 65, 257):
+        np.testing.assert_array_equal(two.run([("features", X[:n])])[0].reshape(n, -1), out[:n])

@@ -133,3 +133,44 @@ def test_the_runtime_runs_scikit_learn_models_on_the_serving_threads(tmp_path):
         jobs = {name: v for name, v in served.get_params(deep=True).items() if name == "n_jobs" or name.endswith("__n_jobs")}
         assert jobs and set(jobs.values()) == {1}
         np.testing.assert_array_equal(runner.run([("features", X[:7])])[0], model.predict_proba(X[:7]))
+
+
+@pytest.mark.slow
+def test_a_multiclass_forest_is_served_by_the_tree_kernel_through_triton(tmp_path, server_environment):
+    """A 3-class random forest grown without max_depth (leaf vectors, averaged, deeper than the
+    complete-tree layout takes) compiled to the tree kernel's node layout only, loaded by the real
+    local Triton and checked over gRPC against predict_proba (the compile's serving check), then
+    asked again here through tritonclient."""
+    import joblib
+    from sklearn.datasets import make_classification
+    from sklearn.ensemble import RandomForestClassifier
+
+    import tritonclient.grpc as grpcclient
+
+    from conftest import LocalTriton
+    from scorestack.compile import compile_model
+
+    X, y = make_classification(1500, 8, n_informative=5, n_classes=3, random_state=0)
+    X = X.astype(np.float32)
+    forest = RandomForestClassifier(25, random_state=0).fit(X[:1000], y[:1000])
+    joblib.dump(forest, tmp_path / "rf.joblib")
+    np.savez(tmp_path / "holdout.npz", X=X[1000:], y=y[1000:])
+    (tmp_path / "rf.yaml").write_text(
+        "name: rf3\nsource: {path: rf.joblib, format: joblib, trusted: true}\ntask: multiclass\n"
+        "inputs: {features: [a, b, c, d, e, f, g, h]}\nholdout: holdout.npz\nformats: [trees]\n"
+    )
+    report = compile_model(tmp_path / "rf.yaml", tmp_path / "repo")
+    trees = next(c for c in report.candidates if c.format == "trees")
+    assert report.selected.format == "trees" and any("node layout" in n and "leaf vectors, averaged" in n for n in trees.notes)
+    assert report.serve_check.status == "passed" and report.serve_check.max_abs_diff <= 1e-5
+    with LocalTriton(tmp_path / "repo", server_env=server_environment, ready_timeout_s=300) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            for rows in (X[1000:1064], X[1100:1101]):  # a batch (the default max_batch_size, 64) and a lone row
+                inp = grpcclient.InferInput("features", list(rows.shape), "FP32")
+                inp.set_data_from_numpy(np.ascontiguousarray(rows))
+                result = client.infer("rf3", [inp], client_timeout=60)
+                got = result.as_numpy(result.get_response().outputs[0].name)
+                np.testing.assert_allclose(got.reshape(len(rows), 3), forest.predict_proba(rows), rtol=0, atol=1e-5)
+        finally:
+            client.close()
