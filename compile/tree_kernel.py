@@ -237,7 +237,8 @@ int scorestack_predict_batch(const float* X, int64_t n_rows, int32_t n_cols, int
 """
 
 
-NODE_DTYPE = np.dtype([("thr", "<f4"), ("fm", "<i4"), ("ch", "<i4")])  # the C kernel's `Node`
+NODE_DTYPE = np.dtype([("thr", "<f4"), ("fm", "<i4"), ("ch", "<i4"), ("leaf", "<i4")])  # the C kernel's `Node`
+LEAF_FM = -(1 << 31)  # a leaf: the sign bit set, feature 0, no missing-value bit
 MAX_OUTPUTS = 256
 _NODE_POST = {"identity", "identity_multiclass", "sigmoid", "softmax", "multiclass_ova"}
 
@@ -245,10 +246,12 @@ _NODE_POST = {"identity", "identity_multiclass", "sigmoid", "softmax", "multicla
 def node_arrays(model: dict[str, Any]) -> dict[str, Any]:
     """The node layout of a Treelite model (model_dict): trees of any depth, unpadded, and several outputs a row.
 
-    Every node is one record (float32 threshold, feature | missing-goes-right << 30, first child); a
-    node's two children are adjacent, so the right one is `ch + 1`; a leaf has feature -1 and keeps
-    its value in the threshold field (one output per tree, added to the tree's class) or, for leaf
-    vectors (a random forest's class probabilities), the offset of its vector in `leafv`.
+    Every node is one 16-byte record (float32 threshold, feature | missing-goes-right << 30, first
+    child, leaf offset); a node's two children are adjacent, so the right one is `ch + 1`. A leaf has
+    the sign bit set in `fm`, a NaN threshold and itself as child, so a walk that goes on past it stays
+    there (the interleaved walk takes each tree's depth in steps); its value (added to the tree's
+    class) or its vector (one value per class: a random forest's class probabilities) is at `leaf`
+    in `leafv`.
     """
     if model.get("num_target") != 1:
         raise Skip(f"{model.get('num_target')} targets: the tree kernel scores models with one target")
@@ -270,14 +273,16 @@ def node_arrays(model: dict[str, Any]) -> dict[str, Any]:
         classes = [0 if k == 1 else -2 for c in classes]
         if k != 1:
             raise Skip("scalar leaves shared by every class: the tree kernel adds a scalar leaf to its tree's class")
-    records: list[tuple[float, int, int]] = []
+    records: list[tuple[float, int, int, int]] = []
+    depths: list[int] = []
     leafv: list[float] = []
     roots, depth = [], 0
     for tree in model["trees"]:
         nodes = {n["node_id"]: n for n in tree["nodes"]}
-        depth = max(depth, _tree_depth(nodes))
+        depths.append(_tree_depth(nodes))
+        depth = max(depth, depths[-1])
         roots.append(len(records))
-        records.append((0.0, -1, 0))
+        records.append((0.0, LEAF_FM, 0, 0))
         queue = [(0, roots[-1])]
         while queue:
             nid, slot = queue.pop()
@@ -285,12 +290,13 @@ def node_arrays(model: dict[str, Any]) -> dict[str, Any]:
             if "leaf_vector" in node:
                 if len(node["leaf_vector"]) != k:
                     raise Skip(f"a leaf vector of {len(node['leaf_vector'])} values for {k} classes")
-                records[slot] = (0.0, -1, len(leafv))
+                records[slot] = (np.nan, LEAF_FM, slot, len(leafv))
                 leafv += node["leaf_vector"]
             elif "leaf_value" in node:
                 if vectors:
                     raise Skip("a scalar leaf in a model of leaf vectors")
-                records[slot] = (float(np.float32(node["leaf_value"])), -1, 0)
+                records[slot] = (np.nan, LEAF_FM, slot, len(leafv))
+                leafv.append(float(np.float32(node["leaf_value"])))
             else:
                 if node.get("node_type", "numerical_test_node") != "numerical_test_node":
                     raise Skip(f"node type {node.get('node_type')!r}: the tree kernel handles numerical splits")
@@ -298,13 +304,13 @@ def node_arrays(model: dict[str, Any]) -> dict[str, Any]:
                 if not 0 <= feature < (1 << 30):
                     raise Skip(f"split feature {feature}: out of the kernel's range")
                 left = len(records)
-                records += [(0.0, -1, 0), (0.0, -1, 0)]
-                records[slot] = (float(_threshold32(float(node["threshold"]), node["comparison_op"])), feature | (0 if node["default_left"] else 1 << 30), left)
+                records += [(0.0, LEAF_FM, 0, 0), (0.0, LEAF_FM, 0, 0)]
+                records[slot] = (float(_threshold32(float(node["threshold"]), node["comparison_op"])), feature | (0 if node["default_left"] else 1 << 30), left, 0)
                 queue += [(node["left_child"], left), (node["right_child"], left + 1)]
     per_class = [sum(1 for c in classes if c in (-1, j)) for j in range(k)]
     base = list(model.get("base_scores") or [0.0]) + [0.0] * k
     return {
-        "nodes": np.array(records, dtype=NODE_DTYPE), "leafv": np.array(leafv or [0.0], np.float32), "roots": roots, "classes": classes,
+        "nodes": np.array(records, dtype=NODE_DTYPE), "leafv": np.array(leafv or [0.0], np.float32), "roots": roots, "depths": depths, "classes": classes,
         "k": k, "vectors": vectors, "depth": depth, "n_feature": int(model["num_feature"]), "post": post, "alpha": float(model.get("sigmoid_alpha", 1.0)),
         "average": [float(n) if model.get("average_tree_output") else 1.0 for n in per_class], "base": base[:k],
     }  # fmt: skip
@@ -317,7 +323,17 @@ def node_kernel_source(arrays: dict[str, Any], nodes_bin: Path, leafv_bin: Path)
         if any(c in str(path) for c in '"\\\n'):
             raise Skip(f"the build folder {path.parent} has a quote, backslash or newline in its name")
     k, n_trees = arrays["k"], len(arrays["roots"])
-    leaf = "const float* lv = SS_LEAFV + nd->ch; for (int j = 0; j < K; ++j) a[j] += lv[j];" if arrays["vectors"] else "a[c] += nd->thr;"
+    add = "{{ const float* lv = SS_LEAFV + SS_NODES[{i}].leaf; double* a = acc + ({b}) * K; for (int j = 0; j < K; ++j) a[j] += lv[j]; }}" if arrays["vectors"] else "acc[({b}) * K + c] += SS_LEAFV[SS_NODES[{i}].leaf];"
+    rows = range(INTERLEAVE)
+    step = "i{r} = SS_NODES[i{r}].ch + (int32_t)((v{r} >= SS_NODES[i{r}].thr) | ((v{r} != v{r}) & (((uint32_t)SS_NODES[i{r}].fm >> 30) & 1u)));"
+    interleaved = "\n".join(
+        ["        " + " ".join(f"const float* x{r} = xb + (b + {r}) * N_FEATURE; int32_t i{r} = root;" for r in rows)]
+        + ["        for (int32_t s = 0; s < steps; ++s) {"]
+        + [f"          const float v{r} = x{r}[SS_NODES[i{r}].fm & 0x3fffffff];" for r in rows]
+        + ["          " + step.format(r=r) for r in rows]
+        + ["        }"]
+        + ["        " + add.format(i=f"i{r}", b=f"b + {r}") for r in rows]
+    )
     post = arrays["post"]
     finish = {
         "sigmoid": "for (int j = 0; j < K; ++j) r[j] = (float)(1.0 / (1.0 + exp(-ALPHA * m[j])));",
@@ -334,13 +350,15 @@ def node_kernel_source(arrays: dict[str, Any], nodes_bin: Path, leafv_bin: Path)
 #define N_FEATURE {arrays['n_feature']}
 #define ROW_BLOCK {ROW_BLOCK}
 #define ALPHA {arrays['alpha']!r}
+#define INTERLEAVE {INTERLEAVE}
 
-typedef struct {{ float thr; int32_t fm; int32_t ch; }} Node;
+typedef struct {{ float thr; int32_t fm; int32_t ch; int32_t leaf; }} Node;
 __asm__(".section .rodata\\n.balign 16\\nSS_NODES:\\n.incbin \\"{nodes_bin}\\"\\n.balign 16\\nSS_LEAFV:\\n.incbin \\"{leafv_bin}\\"\\n.previous\\n");
 extern const Node SS_NODES[] __attribute__((visibility("hidden")));
 extern const float SS_LEAFV[] __attribute__((visibility("hidden")));
 static const int32_t ROOT[N_TREES] = {{{",".join(str(r) for r in arrays["roots"])}}};
 static const int32_t CLS[N_TREES] = {{{",".join(str(max(c, 0)) for c in arrays["classes"])}}};
+static const int32_t STEPS[N_TREES] = {{{",".join(str(d) for d in arrays["depths"])}}};
 static const double AVERAGE[K] = {{{",".join(repr(v) for v in arrays["average"])}}};
 static const double BASE[K] = {{{",".join(repr(v) for v in arrays["base"])}}};
 
@@ -355,19 +373,21 @@ int scorestack_predict_batch(const float* X, int64_t n_rows, int32_t n_cols, int
     const float* xb = X + i0 * N_FEATURE;
     for (int64_t j = 0; j < nb * K; ++j) acc[j] = 0.0;
     for (int t = 0; t < N_TREES; ++t) {{
-      const int32_t root = ROOT[t];
+      const int32_t root = ROOT[t], steps = STEPS[t];
       const int c = CLS[t];
       (void)c;
-      for (int64_t b = 0; b < nb; ++b) {{
+      int64_t b = 0;
+      for (; b + INTERLEAVE <= nb; b += INTERLEAVE) {{  /* rows' walks interleaved, each the tree's depth in steps (a leaf loops on itself) */
+{interleaved}
+      }}
+      for (; b < nb; ++b) {{  /* the rest (a lone row): each walk ends at its own leaf */
         const float* x = xb + b * N_FEATURE;
-        const Node* nd = SS_NODES + root;
-        int32_t fm;
-        while ((fm = nd->fm) >= 0) {{  /* the child is chosen without a branch; only the walk's end is one */
+        int32_t i = root, fm;
+        while ((fm = SS_NODES[i].fm) >= 0) {{  /* the child is chosen without a branch; only the walk's end is one */
           const float v = x[fm & 0x3fffffff];
-          nd = SS_NODES + nd->ch + (int32_t)((v >= nd->thr) | ((v != v) & (fm >> 30)));
+          i = SS_NODES[i].ch + (int32_t)((v >= SS_NODES[i].thr) | ((v != v) & (fm >> 30)));
         }}
-        double* a = acc + b * K;
-        {leaf}
+        {add.format(i="i", b="b")}
       }}
     }}
     for (int64_t b = 0; b < nb; ++b) {{
