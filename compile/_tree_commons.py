@@ -87,43 +87,38 @@ def compile_tl2cgen(treelite_model: Any, workdir: Path, ctx: ConvertContext, not
 
 
 GCC_OBJECT = ["gcc", "-c", "-O3", "-fPIC", "-std=c99"]  # TL2cgen's own gcc recipe (tl2cgen.create_shared)
-# An optimistic gcc -O3 rate on TL2cgen's C, per core: about 3x the fastest measured here (0.13-0.19 MB/s
-# for 11-35 MB of a 5-class XGBoost model and an unbounded random forest). A build that would take
-# longer than the budget even at this rate is not started.
+# An optimistic gcc -O3 rate on TL2cgen's C, per core: about 3x the fastest seen here (0.13-0.19 MB/s, the
+# driver's own extrapolations for the 11-35 MB of a 5-class XGBoost model and an unbounded random forest).
+# A build that would take longer than the budget even at this rate is not started.
 GCC_FASTEST_BYTES_PER_S = 0.5e6
 
 
-def build_c_library(src: Path, sources: list[str], out: Path, threads: int, budget_s: float, what: str) -> float:
-    """Compile `src/<name>.c` for each name with gcc in `threads` parallel processes, link them into `out`; the seconds it took.
+def build_c_library(src: Path, sources: list[str], out: Path, threads: int, budget_s: float, what: str) -> None:
+    """Compile `src/<name>.c` for each name with gcc in `threads` parallel processes and link them into `out`.
 
     Bounded by `budget_s` (the spec's `build_budget_s`): a build that would overrun it even at an
-    optimistic gcc rate (GCC_FASTEST_BYTES_PER_S) is not started; otherwise the largest files go first, and as each file
-    finishes its bytes per second say how long the rest will take on `threads` cores; as soon as
-    that estimate, or the clock, passes the budget every gcc is stopped and the candidate skipped
-    (registry.Skip) with the estimate, so a model whose generated C would take minutes to build costs
-    the compile one file's time, not the whole build.
+    optimistic gcc rate (GCC_FASTEST_BYTES_PER_S) is not started; otherwise the largest files go
+    first, and as each file finishes its bytes per second say how long the rest will take on
+    `threads` cores; as soon as that estimate, or the clock, passes the budget every gcc is stopped
+    and the candidate skipped (registry.Skip) with the estimate, so a model whose generated C would
+    take minutes to build costs the compile one file's time, not the whole build.
     """
     size = {name: (src / f"{name}.c").stat().st_size for name in sources}
     pending = sorted(sources, key=lambda n: -size[n])
     total = sum(size.values())
-    running: dict[subprocess.Popen, tuple[str, float]] = {}
-    done = [0.0, 0.0]  # bytes compiled, seconds one gcc process spent on them
-    t0 = time.monotonic()
     fastest = total / (GCC_FASTEST_BYTES_PER_S * threads)
 
-    def over(elapsed: float, estimate: float | None) -> Skip:
-        guess = f"about {estimate:.0f} s" if estimate is not None else f"more than {max(budget_s, fastest):.0f} s"
+    def over(need: str, outcome: str, rate: str = "") -> Skip:
         return Skip(
-            f"{what}: gcc would need {guess} for {total / 1e6:.1f} MB of generated C on {threads} core(s), over the spec's "
-            f"`build_budget_s: {budget_s:g}`; stopped after {elapsed:.1f} s. Raise build_budget_s to build this candidate"
+            f"{what}: gcc would need {need} for {total / 1e6:.1f} MB of generated C on {threads} core(s){rate}, over the spec's "
+            f"`build_budget_s: {budget_s:g}`; {outcome}. Raise build_budget_s to build this candidate"
         )
 
     if fastest > budget_s:
-        raise Skip(
-            f"{what}: gcc would need more than {fastest:.0f} s for {total / 1e6:.1f} MB of generated C on {threads} core(s) (at "
-            f"{GCC_FASTEST_BYTES_PER_S / 1e6:g} MB/s a core, faster than measured), over the spec's `build_budget_s: {budget_s:g}`; "
-            "not started. Raise build_budget_s to build this candidate"
-        )
+        raise over(f"more than {fastest:.0f} s", "not started", f" (at {GCC_FASTEST_BYTES_PER_S / 1e6:g} MB/s a core, faster than measured)")
+    running: dict[subprocess.Popen, tuple[str, float]] = {}
+    done_bytes, done_s = 0, 0.0  # compiled so far, and the seconds one gcc process spent on them
+    t0 = time.monotonic()
     try:
         while pending or running:
             while pending and len(running) < threads:
@@ -134,29 +129,27 @@ def build_c_library(src: Path, sources: list[str], out: Path, threads: int, budg
             for proc in [p for p in running if p.poll() is not None]:
                 name, started = running.pop(proc)
                 if proc.returncode != 0:
-                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                    raise RuntimeError(f"gcc failed on {name}.c: {err.strip()[:500]}")
-                done[0] += size[name]
-                done[1] += time.monotonic() - started
+                    raise RuntimeError(f"gcc failed on {name}.c: {proc.stderr.read().decode(errors='replace').strip()[:500]}")
+                proc.stderr.close()
+                done_bytes += size[name]
+                done_s += time.monotonic() - started
             elapsed = time.monotonic() - t0
             estimate = None
-            if done[0] > 0:
+            if done_bytes:
                 left = sum(size[n] for n in pending) + sum(size[n] for n, _ in running.values())
-                estimate = elapsed + left / (done[0] / max(done[1], 1e-3) * threads)
+                estimate = elapsed + left / (done_bytes / max(done_s, 1e-3) * threads)
             if elapsed > budget_s or (estimate is not None and estimate > budget_s):
-                raise over(elapsed, estimate)
+                need = f"about {estimate:.0f} s" if estimate is not None else f"more than {max(budget_s, fastest):.0f} s"
+                raise over(need, f"stopped after {elapsed:.1f} s")
     finally:
         for proc in running:
             proc.kill()
             proc.wait()
-        for proc in running:
-            if proc.stderr:
-                proc.stderr.close()
+            proc.stderr.close()
     objects = [f"{name}.o" for name in sources]
     linked = subprocess.run(["gcc", "-shared", "-O3", "-o", str(out.resolve()), *objects, "-std=c99", "-lm"], cwd=src, capture_output=True, text=True)
     if linked.returncode != 0:
         raise RuntimeError(f"linking {what} failed: {linked.stderr.strip()[:500]}")
-    return time.monotonic() - t0
 
 
 def batch_library_artifact(fmt: str, path: Path, ctx: ConvertContext, notes: list[str] | None = None) -> Artifact:

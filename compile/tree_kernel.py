@@ -268,19 +268,18 @@ def node_arrays(model: dict[str, Any]) -> dict[str, Any]:
     n_trees = len(model["trees"])
     classes = list(model.get("class_id") or [0] * n_trees)
     if vectors:
-        classes = [-1] * n_trees
+        classes = [-1] * n_trees  # every leaf adds to every class
     elif any(c < 0 for c in classes):
-        classes = [0 if k == 1 else -2 for c in classes]
         if k != 1:
             raise Skip("scalar leaves shared by every class: the tree kernel adds a scalar leaf to its tree's class")
+        classes = [0] * n_trees
     records: list[tuple[float, int, int, int]] = []
     depths: list[int] = []
     leafv: list[float] = []
-    roots, depth = [], 0
+    roots: list[int] = []
     for tree in model["trees"]:
         nodes = {n["node_id"]: n for n in tree["nodes"]}
         depths.append(_tree_depth(nodes))
-        depth = max(depth, depths[-1])
         roots.append(len(records))
         records.append((0.0, LEAF_FM, 0, 0))
         queue = [(0, roots[-1])]
@@ -311,7 +310,7 @@ def node_arrays(model: dict[str, Any]) -> dict[str, Any]:
     base = list(model.get("base_scores") or [0.0]) + [0.0] * k
     return {
         "nodes": np.array(records, dtype=NODE_DTYPE), "leafv": np.array(leafv or [0.0], np.float32), "roots": roots, "depths": depths, "classes": classes,
-        "k": k, "vectors": vectors, "depth": depth, "n_feature": int(model["num_feature"]), "post": post, "alpha": float(model.get("sigmoid_alpha", 1.0)),
+        "k": k, "vectors": vectors, "depth": max(depths, default=0), "n_feature": int(model["num_feature"]), "post": post, "alpha": float(model.get("sigmoid_alpha", 1.0)),
         "average": [float(n) if model.get("average_tree_output") else 1.0 for n in per_class], "base": base[:k],
     }  # fmt: skip
 
@@ -335,9 +334,10 @@ def node_kernel_source(arrays: dict[str, Any], nodes_bin: Path, leafv_bin: Path)
         + ["        " + add.format(i=f"i{r}", b=f"b + {r}") for r in rows]
     )
     post = arrays["post"]
+    sigmoid = "for (int j = 0; j < K; ++j) r[j] = (float)(1.0 / (1.0 + exp(-ALPHA * m[j])));"  # one per class for multiclass_ova
     finish = {
-        "sigmoid": "for (int j = 0; j < K; ++j) r[j] = (float)(1.0 / (1.0 + exp(-ALPHA * m[j])));",
-        "multiclass_ova": "for (int j = 0; j < K; ++j) r[j] = (float)(1.0 / (1.0 + exp(-ALPHA * m[j])));",
+        "sigmoid": sigmoid,
+        "multiclass_ova": sigmoid,
         "softmax": "double mx = m[0]; for (int j = 1; j < K; ++j) mx = m[j] > mx ? m[j] : mx; double z = 0; "
         "for (int j = 0; j < K; ++j) z += exp(m[j] - mx); for (int j = 0; j < K; ++j) r[j] = (float)(exp(m[j] - mx) / z);",
     }.get(post, "for (int j = 0; j < K; ++j) r[j] = (float)m[j];")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,18 @@ def _execute_with(outputs: np.ndarray):
         return outputs[X[:, 0].astype(np.int64)], {}
 
     return execute
+
+
+def _joblib_spec(tmp_path, name: str, model, X: np.ndarray, y: np.ndarray, task: str, extra: str = "") -> Path:
+    """`model` saved as a user saves it (joblib), its held-out rows, and the spec a user writes first (+ `extra`)."""
+    import joblib
+
+    joblib.dump(model, tmp_path / f"{name}.joblib")
+    np.savez(tmp_path / "holdout.npz", X=X, y=y)
+    features = ", ".join(f"f{i}" for i in range(X.shape[1]))
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(f"name: {name}\nsource: {{path: {name}.joblib, format: joblib, trusted: true}}\ntask: {task}\ninputs: {{features: [{features}]}}\nholdout: holdout.npz\n{extra}")
+    return spec
 
 
 def test_regression_in_the_hundreds_passes_with_the_relative_default():
@@ -78,7 +92,6 @@ def test_spec_resolves_the_task_default_or_the_given_value(task, expected):
 def test_regression_in_the_hundreds_compiles_and_is_served_within_the_stated_tolerance(tmp_path):
     """The spec a user writes first (no verification block) for a GradientBoostingRegressor with targets
     up to ±490: verified under the regression default, served by a real Triton and checked over gRPC."""
-    import joblib
     from sklearn.ensemble import GradientBoostingRegressor
 
     from scorestack.compile import compile_model
@@ -88,13 +101,8 @@ def test_regression_in_the_hundreds_compiles_and_is_served_within_the_stated_tol
     y = X @ np.array([120.0, -80.0, 60.0, 30.0, -20.0, 10.0]) + 5 * rng.normal(size=900)
     y = y / np.abs(y).max() * 490
     model = GradientBoostingRegressor(n_estimators=40, max_depth=3, random_state=0).fit(X[:600], y[:600])
-    joblib.dump(model, tmp_path / "gbr.joblib")
-    np.savez(tmp_path / "holdout.npz", X=X[600:], y=y[600:])
-    (tmp_path / "gbr.yaml").write_text(
-        "name: gbr\nsource: {path: gbr.joblib, format: joblib, trusted: true}\ntask: regression\n"
-        "inputs: {features: [a, b, c, d, e, f]}\nholdout: holdout.npz\nformats: [onnx, native, tl2cgen]\nbuild_budget_s: 0.001\n"
-    )
-    report = compile_model(tmp_path / "gbr.yaml", tmp_path / "repo")
+    spec = _joblib_spec(tmp_path, "gbr", model, X[600:], y[600:], "regression", "formats: [onnx, native, tl2cgen]\nbuild_budget_s: 0.001\n")
+    report = compile_model(spec, tmp_path / "repo")
     assert (report.tolerance, report.relative_tolerance) == (1e-5, 1e-5)
     by = {c.format: c for c in report.candidates}
     assert by["onnx"].verified and by["native"].verified
@@ -141,7 +149,6 @@ def test_a_multiclass_forest_is_served_by_the_tree_kernel_through_triton(tmp_pat
     complete-tree layout takes) compiled to the tree kernel's node layout only, loaded by the real
     local Triton and checked over gRPC against predict_proba (the compile's serving check), then
     asked again here through tritonclient."""
-    import joblib
     from sklearn.datasets import make_classification
     from sklearn.ensemble import RandomForestClassifier
 
@@ -153,13 +160,7 @@ def test_a_multiclass_forest_is_served_by_the_tree_kernel_through_triton(tmp_pat
     X, y = make_classification(1500, 8, n_informative=5, n_classes=3, random_state=0)
     X = X.astype(np.float32)
     forest = RandomForestClassifier(25, random_state=0).fit(X[:1000], y[:1000])
-    joblib.dump(forest, tmp_path / "rf.joblib")
-    np.savez(tmp_path / "holdout.npz", X=X[1000:], y=y[1000:])
-    (tmp_path / "rf.yaml").write_text(
-        "name: rf3\nsource: {path: rf.joblib, format: joblib, trusted: true}\ntask: multiclass\n"
-        "inputs: {features: [a, b, c, d, e, f, g, h]}\nholdout: holdout.npz\nformats: [trees]\n"
-    )
-    report = compile_model(tmp_path / "rf.yaml", tmp_path / "repo")
+    report = compile_model(_joblib_spec(tmp_path, "rf3", forest, X[1000:], y[1000:], "multiclass", "formats: [trees]\n"), tmp_path / "repo")
     trees = next(c for c in report.candidates if c.format == "trees")
     assert report.selected.format == "trees" and any("node layout" in n and "leaf vectors, averaged" in n for n in trees.notes)
     assert report.serve_check.status == "passed" and report.serve_check.max_abs_diff <= 1e-5
