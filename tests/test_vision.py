@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from scorestack.client.metrics import METRIC, RequestMetrics, Scrape, serve
 from scorestack.client.triton import TritonClient
 from scorestack.client.vision import VisionService
 from scorestack.compile import compile_model
+from scorestack.demo.traffic import vision_traffic
 from scorestack.demo.train import VISION_MODELS, train_vision_models
 from scorestack.compile.spec import load_spec
 from scorestack.errors import OverloadedError, RequestValidationError, SpecError
@@ -132,6 +134,11 @@ def test_triton_returns_the_verified_class_for_every_held_out_image(compiled) ->
 
     with LocalTriton(repository=repo) as server:
         served = asyncio.run(classify_all())
+        # The demo's own vision traffic (`scorestack demo`'s last step; test_demo runs the demo without it).
+        line = asyncio.run(vision_traffic(server.grpc_url, models, 50))
+    assert "digits_cnn: 50 images as raw uint8 [32, 32, 1] over gRPC" in line
+    served_share = float(re.search(r"([\d.]+)% correct", line).group(1))
+    assert served_share == pytest.approx(100 * np.mean(expected["digits_cnn"][:50] == holdout["y"][:50]), abs=0.05), line
     http, _ = serve(0, registry)
     try:
         scrape = Scrape.read(f"http://127.0.0.1:{http.server_port}/metrics")
