@@ -1,20 +1,8 @@
 """Admission control through scorestack's client under open-loop overload, side by side in one run.
 
-The server (the compiled fraud model in the local Triton) is pinned to one core; one driver process on
-the other core sends through `TritonClient` itself, the way a fraud or batch-scoring service does, with
-Poisson arrivals at fractions of the capacity measured in the same round (closed loop through the same
-client, no limit). Each point runs the three policies in turn (the order rotated each round):
-- none: every call is sent; only Triton's queue policy sheds;
-- fixed: `max_in_flight` = the capacity x half the latency budget (Little's law: what can be in flight
-  with the queueing inside half the budget), at least the model's instance count;
-- adaptive: `max_in_flight="adaptive"` (client/admission.py: AIMD on the latency the client observes,
-  target the model's queue timeout).
-
-Requests carry `--rows` rows (default 64, the fraud model's max_batch_size): one Python process on one
-core cannot offer more than a one-core server carries at one row per request (README, Benchmarks), but
-at 64 rows the server's work per request is several times the client's, so the driver can overload it.
-Latency is from each request's scheduled time (no coordinated omission); refused calls are counted by
-where they were refused (the client's limit or Triton's queue policy). Writes results/admission.{json,md}.
+Triton pinned to one core, one driver process on the other sending through `TritonClient` with each
+policy in turn (none, fixed, adaptive), Poisson arrivals at fractions of the capacity measured in the
+same round. docs/benchmarks.md ("Admission control under overload"). Results: results/admission.{json,md}.
 
     .venv/bin/python benchmarks/bench_admission.py [--rows 64] [--rounds 2] [--duration 3] [--fractions 0.8,1.2,1.5]
 """
@@ -36,7 +24,6 @@ if str(HERE) not in sys.path:
 import harness
 import numpy as np
 
-RESULTS = HERE / "results"
 POLICIES = ("none", "fixed", "adaptive")  # "adaptive:T" (--policies) sets the adaptive target to T ms
 
 
@@ -95,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fractions", default="0.8,1.2,1.5", help="open-loop rates as fractions of the round's closed-loop capacity")
     ap.add_argument("--deadline", type=float, default=1.0, help="the client's deadline per call (s)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="none, fixed, adaptive, adaptive:T (target T ms)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "admission.json")
+    ap.add_argument("--out", type=Path, default=harness.RESULTS / "admission.json")
     args = ap.parse_args(argv)
     data_policies = args.policies
 
@@ -183,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         peer.stop()
     data["seconds"] = round(time.monotonic() - t_start, 1)
     data["load_after"] = list(os.getloadavg())
-    args.out.write_text(json.dumps(data, indent=1, default=float))
-    args.out.with_suffix(".md").write_text(render(data))
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    print("wrote {} and {}".format(*harness.write_results(args.out.stem, data, render(data), args.out.parent)))
     return 0
 
 

@@ -2,18 +2,10 @@
 
     .venv/bin/python benchmarks/bench_e2e.py [--rounds 3] [--quick]
 
-Fraud services on the same Redis online store and model, each in a fresh process of its own
-holding only its own clients (harness worker, spawned), one after the other:
-- scorestack's `FraudService` (the fetch layer's direct Redis read) with the model in the local
-  Triton over gRPC, over the client's lean HTTP transport, in the service's own process
-  (`InProcessTriton`), and on the caller's thread without Triton (`EmbeddedModels`);
-- hand-written: `feast.FeatureStore.get_online_features` + onnxruntime in-process (1 thread) with
-  callers on threads, and `get_online_features_async` + onnxruntime with callers as tasks.
-Scores checked equal (|Δp| <= 1e-4 on 200 transactions, or the run stops). Closed loops at 1, 16, 64 callers, open
-loop (Poisson) at 50% and 80% of each service's own maximum, interleaved rounds (the order turns), medians and ranges;
-the machine's CPU per score; the model call alone; through the local server, the phases `scorestack diagnose` reports.
-Ranking: 1 user x 500 items at concurrency 1 against two Feast reads + onnxruntime; over gRPC, 100 to 2,000 candidates
-by how many of a request's chunks of max_batch_size are in Triton at once. Results: results/e2e.json and e2e.md.
+scorestack's fraud path (over gRPC, lean HTTP, in-process Triton, the embedded runtime; plain and
+spinning event loops) against hand-written Feast + onnxruntime services, each in a fresh process of
+its own on the same Redis and model, scores checked equal first. docs/benchmarks.md ("The whole request
+against the hand-written service") says what is measured and how. Results: results/e2e.{json,md}.
 """
 
 from __future__ import annotations
@@ -362,21 +354,9 @@ def main() -> None:
     from peers.model import compiled_onnx  # the compiler and the demo's setup stay out of the services' processes
 
     from scorestack import paths
-    from scorestack.compile import compile_model
-    from scorestack.demo.features import init_repo
-    from scorestack.demo.train import train_demo_models
-    from scorestack.features import store
 
-    ws = paths.workspace()
-    specs = {p.stem: p for p in train_demo_models(ws / "models")}
-    repository = ws / "model_repository"
-    for name in ("fraud_xgb", "ranking_xgb"):
-        compile_model(specs[name], repository)
-    onnx = {name: compiled_onnx(specs[name], ws / "bench_e2e") for name in ("fraud_xgb", "ranking_xgb")}
-    repo = ws / "feature_repo_e2e"
-    init_repo(repo, online="redis", redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), n_users=N_USERS, project="bench_e2e")
-    store.apply(repo)
-    store.materialize(repo)
+    repository, repo, specs = harness.demo_stack(("fraud_xgb", "ranking_xgb"), project="bench_e2e", n_users=N_USERS)
+    onnx = {name: compiled_onnx(specs[name], paths.workspace() / "bench_e2e") for name in ("fraud_xgb", "ranking_xgb")}
     scale = 4 if args.quick else 1
     with LocalTriton(repository, models=["fraud_xgb", "ranking_xgb"], exit_timeout_s=0) as server:
         settings = {"grpc_url": server.grpc_url, "http_url": server.http_url, "repository": str(repository), "repo": str(repo),

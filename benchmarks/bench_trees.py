@@ -1,13 +1,9 @@
 """Tree models users bring: six the demo never trained, compiled with the spec a user writes first.
 
-Each model is trained on synthetic data with common settings, saved as a user saves it (joblib), and
-compiled with a spec that names only the source, the task, the features and the held-out rows (no
-verification block, every format). The compile report gives what this writes: the compile time and
-where it went (phases, each candidate's build + load + verify), the selected format, its speed
-against the source library's own predict at batch 1 and at the largest batch (the `native`
-candidate, timed side by side in the same worker with the serving thread count), and the served
-model checked over gRPC against the source in the real local Triton. For LightGBM also its own
-single-threaded `Booster.predict` on one row, in this process. Results: results/trees.{json,md}.
+Each is trained on synthetic data, saved with joblib and compiled with a spec naming only the source,
+task, features and held-out rows. From the compile report: compile time and phases, the selected
+format, its speed against the source library's own predict (the `native` candidate, serving threads),
+the served model checked over gRPC against the source. Results: results/trees.{json,md}.
 """
 
 from __future__ import annotations

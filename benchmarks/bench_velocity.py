@@ -1,24 +1,7 @@
 """Velocity counters under several writer processes (issue 28): exactness, a Redis restart, and the
-fraud path's fetch + write-back cost.
+fraud path's fetch + write-back cost. docs/benchmarks.md ("Velocity counters") says each part.
 
     .venv/bin/python benchmarks/bench_velocity.py [--events 10000] [--users 100] [--burst 50] [--replicas 4]
-
-1. exact: `replicas` processes add `events` transactions over `users` users through
-   scorestack.features.velocity (one atomic script per event), in bursts of `burst` for one user
-   spread over every replica at once (the card-testing shape), with event times over the last 2 hours
-   (late and out-of-order ones included). Every user's four windows are then read and compared with a
-   reference computed from the event log (the events each replica saw added). (The study that chose
-   the atomic script over WATCH/MULTI/EXEC and read-modify-write: results/velocity_write_modes.md.)
-2. outage: the run again with the Redis server killed (SIGKILL) a third of the way in and
-   restarted a second later (append-only file, fsync always: what was acknowledged survives).
-   Writes during the outage must be counted failed. A failed write is unconfirmed (the kill can fall
-   between a script's effect and its reply), so the failed events are sent again with their ids once
-   Redis is back; after that none may be lost or counted twice.
-3. fetch: the fraud service's store path in one process (the Triton call is left out: it is the
-   same on both sides): fetch only (write-back off) against fetch with window reads + the atomic
-   write-back submitted (on), c1 p50 and c16 req/s, side by side in alternating rounds.
-
-Every Redis here is a redis-server of the benchmark's own on a free port.
 """
 
 from __future__ import annotations

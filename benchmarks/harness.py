@@ -1,21 +1,9 @@
 """The benchmarks' one harness: a closed loop, an open loop, worker processes, process metrics, results.
 
-Every benchmark that sends load uses these, whatever it sends: a `send(i)` coroutine (request i of
-the run) is the only thing a benchmark writes. What comes back is a `Tally`: requests sent and
-answered, errors counted by kind with the first message of each, latencies of the answered ones.
-
-- `closed_loop(send, concurrency, ...)`: `concurrency` callers, each sending its next request when its
-  last one answers, for a duration (after a warm-up that is sent but not counted) or a request count.
-- `open_loop(send, rate, ...)`: arrivals at `rate` per second (Poisson, or evenly spaced), each
-  request its own task whatever the others are doing. Latency counts from the request's *due* time,
-  so a client or a server that falls behind pays for it (no coordinated omission). In-flight requests
-  are capped: a request waiting for a slot starts late, and is counted late, never silently dropped;
-  one still not started a whole window after the end counts as `unsent`. With `window_s`, the run is
-  cut into windows by due time (one Tally each) for runs that watch their own evolution (the soak).
-- `Workers`: processes of their own (spawned; optionally pinned) that each build a `send` once and
-  run loops on command, so one Python process's CPU does not cap the load.
-- `Meter`: CPU of process trees, of the machine and of threads, and resident memory, through psutil.
-- `write_results(name, data, markdown)`: results/<name>.json and .md, the one place results land.
+A benchmark writes only a `send(i)` coroutine (request i of the run) and its rendering; a loop returns
+a `Tally` (sent, answered, errors by kind with the first message of each, latencies). The open loop
+counts latency from each request's due time (no coordinated omission) and never drops a request
+silently: late and unsent ones are counted. docs/benchmarks.md ("The harness and the scripts").
 """
 
 from __future__ import annotations
@@ -552,6 +540,26 @@ def machine(**extra: Any) -> dict[str, Any]:
     """Where and when a run happened: CPUs, model, platform, Python, commit, date, load average."""
     return {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(), "python": platform.python_version(),
             "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": list(os.getloadavg()), **extra}
+
+
+def demo_stack(models: Sequence[str], *, project: str, n_users: int = 5000, recompile: bool = False) -> tuple[Path, Path, dict[str, Path]]:
+    """The demo models trained into the workspace (once), `models` compiled (skipped when unchanged unless `recompile`),
+    and a Feast repository of the demo features on Redis (REDIS_URL) applied and materialized: (repository, feature repo, specs)."""
+    from scorestack import paths
+    from scorestack.compile import compile_model
+    from scorestack.demo.features import init_repo
+    from scorestack.demo.train import train_demo_models
+    from scorestack.features import store
+
+    ws = paths.workspace()
+    specs = {p.stem: p for p in train_demo_models(ws / "models")}
+    for name in models:
+        compile_model(specs[name], ws / "model_repository", force=recompile)
+    repo = init_repo(ws / f"feature_repo_{project}", online="redis", redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                     n_users=n_users, project=project)
+    store.apply(repo)
+    store.materialize(repo)
+    return ws / "model_repository", repo, specs
 
 
 def _plain(x: Any) -> Any:

@@ -1,22 +1,10 @@
 """The peers' load generator: nghttp2's h2load, one C client for every target and protocol.
 
-The same client technology for every server, so that the client's own cost does not decide a c1
-latency or a c64 rate: HTTP/1.1 (`--h1`, one request outstanding per keep-alive connection, like a
-service's HTTP client pool) and gRPC over h2c (the prebuilt ModelInferRequest in gRPC framing,
-several streams per HTTP/2 connection, like a gRPC channel). Every request of a run is the same
-prebuilt body. h2load logs each answer (send time, HTTP status, latency), from which the percentiles
-are computed here; its CPU share is charged as the client's.
-
-Closed loop: `concurrency` requests outstanding (connections x streams), each answer sends the next.
-A run is a fixed request count, every answer awaited (h2load -n): stopping at a duration instead
-cancels the calls in flight, which Triton 2.51's gRPC frontend answers badly (server#7368). The count
-comes from a first short run that also warms the server. Open loop: h2load's `--rps` per connection
-(evenly spaced sends, not Poisson); latency counts from the actual send, so a target that falls
-behind delays its own next sends on HTTP/1.1 (one outstanding per connection), said in the report.
-
-h2load sees HTTP status only: a gRPC error comes as HTTP 200 with a grpc-status trailer. The suite
-therefore checks every target's answer for value before loading it and counts Triton's failures in
-Triton's own statistics.
+HTTP/1.1 (one request outstanding per keep-alive connection) and gRPC over h2c (prebuilt
+ModelInferRequest, streams on up to GRPC_CONNECTIONS connections); fixed request counts, every answer
+awaited (Triton 2.51's gRPC frontend handles cancelled calls badly, server#7368); h2load's per-request
+log gives the percentiles. h2load sees HTTP status only, so the suite checks answers for value first and
+counts Triton's failures from its statistics. docs/benchmarks.md ("The load generator") says why.
 """
 
 from __future__ import annotations

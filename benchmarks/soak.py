@@ -1,15 +1,9 @@
 """Soak: fraud requests at 70% of the sustainable maximum for minutes, watching errors, tails and memory.
 
-The real request path (`FraudService.score`: features from Redis, inference on the local Triton),
-driven from `--clients` processes (default 2) as a fraud service scales out. Three phases: the
-maximum throughput (a closed loop), then the **sustainable maximum** (open-loop steps down from it:
-the highest rate kept up with no errors, under 1% of requests started late and p99 within the
-model's latency budget); then an open loop at `utilization` of it (latency from each request's due
-time; late and unsent requests counted, never hidden), reported every `window_s`: errors by class,
-degraded results, p50/p99/max, resident memory of tritonserver, its stubs and the clients, CPU of
-clients, server and the rest of the machine, GC pauses. Verdict (enforced with `--check`): no
-errors, memory growth < 5% after the second window, every window's p99 <= 1.5x the first's.
-docs/benchmarks.md says why each rule.
+The real request path from `--clients` processes: the closed-loop maximum, the sustainable maximum
+(open-loop steps down from it that keep up within the model's latency budget), then the open loop at
+`utilization` of it, reported per window. Verdict (enforced with `--check`): no errors, memory growth
+< 5% after the second window, every window's p99 <= 1.5x the first's. docs/benchmarks.md says why.
 
     .venv/bin/python benchmarks/soak.py                 # 10 minutes, 60 s windows -> results/soak.{json,md}
     .venv/bin/python benchmarks/soak.py --seconds 60    # short mode, 10 s windows -> results/soak_short.{json,md}
@@ -274,98 +268,58 @@ def _ms(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
+def _cpu(c: dict) -> str:
+    return f"{c['client_pct']:.0f} ({c['client_loop_thread_pct']:.0f}) / {c['server_pct']:.0f} / {c['other_pct']:.0f}"
+
+
 def verdict_lines(result: dict[str, Any]) -> list[str]:
-    v = result["verdict"]
-    c = v["checks"]
-    word = lambda ok: "PASS" if ok else "FAIL"
-    base = f"window {v['memory_baseline_window']}"
-    return [
-        f"{word(c['errors'])}  errors: {v['total_errors']} (threshold {MAX_ERRORS})",
-        f"{word(c['server_memory'])}  tritonserver+stubs memory growth from the end of {base} to the end: {v['server_memory_growth_pct']}% (threshold < {MAX_MEMORY_GROWTH_PCT}%)",
-        f"{word(c['client_memory'])}  client memory growth from the end of {base} to the end: {v['client_memory_growth_pct']}% (threshold < {MAX_MEMORY_GROWTH_PCT}%)",
-        f"{word(c['p99_stability'])}  p99 per window / first window's p99, max: {v['p99_max_ratio']} (threshold <= {MAX_P99_RATIO})",
-    ]
+    v, base = result["verdict"], f"window {result['verdict']['memory_baseline_window']}"
+    word = {True: "PASS", False: "FAIL"}
+    return [f"{word[ok]}  {text}" for ok, text in (
+        (v["checks"]["errors"], f"errors: {v['total_errors']} (threshold {MAX_ERRORS})"),
+        (v["checks"]["server_memory"], f"tritonserver+stubs memory growth from the end of {base} to the end: {v['server_memory_growth_pct']}% (threshold < {MAX_MEMORY_GROWTH_PCT}%)"),
+        (v["checks"]["client_memory"], f"client memory growth from the end of {base} to the end: {v['client_memory_growth_pct']}% (threshold < {MAX_MEMORY_GROWTH_PCT}%)"),
+        (v["checks"]["p99_stability"], f"p99 per window / first window's p99, max: {v['p99_max_ratio']} (threshold <= {MAX_P99_RATIO})"))]
 
 
 def render_markdown(result: dict[str, Any]) -> str:
-    s, t, m = result["settings"], result["totals"], result["machine"]
-    mx = s["max_throughput"]
+    s, t, m, before = result["settings"], result["totals"], result["machine"], result["memory_before_open_loop"]
+    mx, sm = s["max_throughput"], s["sustainable_max"]
+    steps = ", ".join(f"{st['fraction']:.0%} {st['rate_rps']} req/s {'kept up' if st['kept_up'] else 'fell behind'} (late {st['late_share']:.1%}, "
+                      f"errors {st['errors']}, p99 {_ms(st['p99_ms'])} ms)" for st in sm["steps"])
     lines = [
-        f"# Soak: fraud requests at {s['utilization']:.0%} of the sustainable maximum throughput (local Triton, Redis features, {s['model']})",
-        "",
-        f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}.",
-        "",
-        f"- clients: {s.get('clients', 1)} processes, each running the fraud request path (own event loop, Triton client, feature fetcher); the open-loop schedule is interleaved over them",
+        f"# Soak: fraud requests at {s['utilization']:.0%} of the sustainable maximum throughput (local Triton, Redis features, {s['model']})", "",
+        f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}.", "",
+        f"- clients: {s['clients']} processes, each running the fraud request path (own event loop, Triton client, feature fetcher); the open-loop schedule is interleaved over them",
         f"- maximum throughput: {mx['rps']} req/s (closed loop, concurrency {mx['concurrency']}, {mx['seconds']} s, {mx['ok']} answered, errors {mx['errors'] or 0}; "
-        f"CPU % clients (busiest loop thread) / server / other: {mx['cpu']['client_pct']:.0f} ({mx['cpu']['client_loop_thread_pct']:.0f}) / {mx['cpu']['server_pct']:.0f} / {mx['cpu']['other_pct']:.0f})",
-        *([f"- sustainable maximum: {s['sustainable_max']['rps']} req/s (open loop, steps of {s['sustainable_max']['step_s']:g} s down from the closed-loop maximum; "
-           f"kept up = {s['sustainable_max']['criterion']}): " + ", ".join(
-               f"{st['fraction']:.0%} {st['rate_rps']} req/s {'kept up' if st['kept_up'] else 'fell behind'} (late {st['late_share']:.1%}, errors {st['errors']}, "
-               f"p99 {_ms(st['p99_ms'])} ms)" for st in s["sustainable_max"]["steps"])] if "sustainable_max" in s else []),
+        f"CPU % clients (busiest loop thread) / server / other: {_cpu(mx['cpu'])})",
+        f"- sustainable maximum: {sm['rps']} req/s (open loop, steps of {sm['step_s']:g} s down from the closed-loop maximum; kept up = {sm['criterion']}): {steps}",
         f"- open-loop rate: **{s['rate_rps']} req/s** ({s['utilization']:.0%} of the sustainable maximum) for {s['duration_s']:g} s, windows of {s['window_s']:g} s; in-flight cap {s['max_inflight']}, "
-        f"late = started > {s['late_after_ms']:g} ms after its due time" + ("; client heap frozen after warm-up (gc.freeze)" if s.get("gc_freeze") else ""),
+        f"late = started > {s['late_after_ms']:g} ms after its due time" + ("; client heap frozen after warm-up (gc.freeze)" if s["gc_freeze"] else ""),
         f"- requests: scheduled {t['scheduled']}, sent {t['sent']}, answered {t['ok']}, errors {t['errors_total']} {t['errors'] or ''}, "
         f"degraded {t['degraded']}, late {t['late']}, unsent {t['unsent']}; sent == answered + errors: {t['accounted']}",
-        f"- latency: {s['latency']}; memory: VmRSS",
-        "",
-        "| window | end s | sent | ok | errors | degraded | late | max lag ms | ok req/s | p50 ms | p99 ms | max ms | p99 / first | tritonserver MiB | stubs MiB (n) | clients MiB | CPU % clients (busiest loop thread) / server / other | GC gen2 n, max pause ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"- latency: {s['latency']}; memory: VmRSS", "",
+        *harness.table(("window", "end s", "sent", "ok", "errors", "degraded", "late", "max lag ms", "ok req/s", "p50 ms", "p99 ms", "max ms", "p99 / first",
+                        "tritonserver MiB", "stubs MiB (n)", "clients MiB", "CPU % clients (busiest loop thread) / server / other", "GC gen2 n, max pause ms"), (
+            (r["window"], f"{r['end_s']:.1f}", r["sent"], r["ok"], f"{sum(r['errors'].values())} {r['errors']}" if r["errors"] else 0, r["degraded"], r["late"],
+             f"{r['lag_max_ms']:.1f}", r["ok_rps"], _ms(r["p50_ms"]), _ms(r["p99_ms"]), _ms(r["max_ms"]), r.get("p99_ratio"), f"{r['memory']['tritonserver_mib']:.1f}",
+             f"{r['memory']['stubs_mib']:.1f} ({r['memory']['n_stubs']})", f"{r['memory']['client_mib']:.1f}", _cpu(r["cpu"]), f"{r['gc']['collections'][2]}, {r['gc']['max_ms']:.1f}")
+            for r in result["windows"])),
     ]
-    for r in result["windows"]:
-        mem, errs = r["memory"], sum(r["errors"].values())
-        err_text = f"{errs} {r['errors']}" if errs else "0"
-        lines.append(
-            f"| {r['window']} | {r['end_s']:.1f} | {r['sent']} | {r['ok']} | {err_text} | {r['degraded']} | {r['late']} | {r['lag_max_ms']:.1f} | {r['ok_rps']} | "
-            f"{_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_ms(r['max_ms'])} | {r.get('p99_ratio')} | {mem['tritonserver_mib']:.1f} | {mem['stubs_mib']:.1f} ({mem['n_stubs']}) | {mem['client_mib']:.1f} | "
-            f"{r['cpu']['client_pct']:.0f} ({r['cpu']['client_loop_thread_pct']:.0f}) / {r['cpu']['server_pct']:.0f} / {r['cpu']['other_pct']:.0f} | "
-            f"{r['gc']['collections'][2]}, {r['gc']['max_ms']:.1f} |"
-        )
-    before = result["memory_before_open_loop"]
     busy = [f"window {r['window']} ({r['cpu']['other_pct']:.0f}%)" for r in result["windows"] if r["cpu"]["other_pct"] > SHARED_OTHER_PCT]
     if mx["cpu"]["other_pct"] > SHARED_OTHER_PCT:
         busy.insert(0, f"the maximum-throughput phase ({mx['cpu']['other_pct']:.0f}%)")
     if busy:
         lines += ["", f"**Shared machine**: other processes used more than {SHARED_OTHER_PCT:.0f}% of a core during {', '.join(busy)}; "
                   "the rate (from the maximum) and those windows' figures are not this stack's alone. Rerun on a quiet machine."]
-    lines += [
-        "",
-        f"Memory before the open loop: tritonserver {before['tritonserver_mib']} MiB, stubs {before['stubs_mib']} MiB ({before['n_stubs']}), clients {before['client_mib']} MiB (summed). "
-        f"CPU in % of one core ({m['cpus']} cores in all); other = the machine minus clients and server (Redis included). "
-        "GC: the clients' full (generation 2) collections and their longest pause of any generation, per window.",
-        *([""] + [f"- first {kind}: `{text}`" for kind, text in t["error_samples"].items()] if t["error_samples"] else []),
-        "",
-        "## Verdict",
-        "",
-        *[f"- {line}" for line in verdict_lines(result)],
-    ]
+    lines += ["", f"Memory before the open loop: tritonserver {before['tritonserver_mib']} MiB, stubs {before['stubs_mib']} MiB ({before['n_stubs']}), clients "
+              f"{before['client_mib']} MiB (summed). CPU in % of one core ({m['cpus']} cores in all); other = the machine minus clients and server (Redis included). "
+              "GC: the clients' full (generation 2) collections and their longest pause of any generation, per window.",
+              *[""][:bool(t["error_samples"])], *[f"- first {kind}: `{text}`" for kind, text in t["error_samples"].items()], "", "## Verdict", "", *[f"- {line}" for line in verdict_lines(result)]]
     return "\n".join(lines) + "\n"
 
 
 # --- command line ---------------------------------------------------------------------------------
-
-
-def _prepare(redis_url: str, n_users: int, recompile: bool) -> tuple[Path, Path]:
-    """The demo fraud model compiled into the workspace when absent, features in Redis: (repository, feature repo).
-
-    `recompile` runs the compiler even when the model is there (it skips an unchanged spec itself).
-    """
-    from scorestack import paths
-    from scorestack.features import store
-    from scorestack.demo import features as demo_features
-
-    ws = paths.workspace()
-    repository = ws / "model_repository"
-    if recompile or not (repository / "fraud_xgb" / "config.pbtxt").is_file():
-        from scorestack.compile import compile_model
-        from scorestack.demo.train import train_demo_models
-
-        specs = {p.stem: p for p in train_demo_models(ws / "models")}
-        compile_model(specs["fraud_xgb"], repository)
-    repo = ws / "feature_repo_soak"
-    demo_features.init_repo(repo, online="redis", redis_url=redis_url, n_users=n_users, project="bench_soak")
-    store.apply(repo)
-    store.materialize(repo)
-    return repository, repo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,36 +328,25 @@ def main(argv: list[str] | None = None) -> int:
     length.add_argument("--minutes", type=float, default=10.0, help="duration of the open loop (default 10)")
     length.add_argument("--seconds", type=float, help="duration in seconds instead (short mode, e.g. 60)")
     ap.add_argument("--window", type=float, help="window length in s (default 60; 10 when the duration is under 3 minutes)")
-    ap.add_argument("--utilization", type=float, default=0.7, help="fraction of the measured maximum throughput (default 0.7)")
+    ap.add_argument("--utilization", type=float, default=0.7, help="fraction of the sustainable maximum (default 0.7)")
     ap.add_argument("--clients", type=int, default=2, help="client processes sending the load (default 2)")
-    ap.add_argument("--concurrency", type=int, default=16, help="closed-loop concurrency of the maximum-throughput phase")
-    ap.add_argument("--max-seconds", type=float, default=15.0, help="length of the closed-loop maximum-throughput phase")
     ap.add_argument("--step-seconds", type=float, default=8.0, help="length of each open-loop step of the sustainable-maximum search")
     ap.add_argument("--p99-budget-ms", type=float, help="p99 a step of the sustainable-maximum search must meet (default: the model's latency_budget_ms)")
-    ap.add_argument("--max-inflight", type=int, default=1024, help="cap on requests in flight; a request waiting for a slot starts late")
-    ap.add_argument("--late-after-ms", type=float, default=10.0, help="a request started this long after its due time counts as late")
     ap.add_argument("--users", type=int, default=5000, help="users materialized into Redis; requests pick among them")
     ap.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True, help="gc.freeze() the client heap after the warm-up, as a service should (default on)")
     ap.add_argument("--out-name", help="results/<name>.{json,md} (default soak, or soak_short under 3 minutes)")
-    ap.add_argument("--results-dir", type=Path, default=harness.RESULTS, help=f"where to write (default {harness.RESULTS})")
-    ap.add_argument("--recompile", action="store_true", help="run the compiler even when the workspace has the model")
+    ap.add_argument("--recompile", action="store_true", help="compile the fraud model again even when its spec is unchanged")
     ap.add_argument("--check", action="store_true", help="exit 1 when a verdict check fails")
     args = ap.parse_args(argv)
-
     duration = args.seconds if args.seconds is not None else args.minutes * 60.0
-    short = duration < 180.0
-    window = args.window if args.window is not None else (10.0 if short else 60.0)
-    out_name = args.out_name or ("soak_short" if short else "soak")
-    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-
-    repository, feature_repo = _prepare(redis_url, args.users, args.recompile)
+    window = args.window if args.window is not None else (10.0 if duration < 180.0 else 60.0)
+    repository, feature_repo, _ = harness.demo_stack(("fraud_xgb",), project="bench_soak", n_users=args.users, recompile=args.recompile)
     with LocalTriton(repository, models=["fraud_xgb"], exit_timeout_s=0) as server:
         result = run_soak(duration, window, server=server, feature_repo=feature_repo, utilization=args.utilization, clients=args.clients,
-                          concurrency=args.concurrency, max_seconds=args.max_seconds, max_inflight=args.max_inflight, late_after_ms=args.late_after_ms,
                           n_users=args.users, gc_freeze=args.gc_freeze, step_s=args.step_seconds, p99_budget_ms=args.p99_budget_ms)
-    json_path, md_path = harness.write_results(out_name, result, render_markdown(result), args.results_dir)
-    print(render_markdown(result))
-    print(f"wrote {json_path} and {md_path}")
+    text = render_markdown(result)
+    json_path, md_path = harness.write_results(args.out_name or ("soak_short" if duration < 180.0 else "soak"), result, text)
+    print(text + f"\nwrote {json_path} and {md_path}")
     return 1 if args.check and not result["verdict"]["pass"] else 0
 
 

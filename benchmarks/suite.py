@@ -1,12 +1,8 @@
 """Side by side: scorestack against what a user would run instead, same fraud model, same machine, same client.
 
-Starts every peer as its own server process (benchmarks/peers/), checks that each answers the source
-model's probability for a held-out row, then loads them all from the same C client (h2load,
-benchmarks/loadgen.py) in interleaved rounds (round-robin over the targets, the order rotated each
-round, so drift hits all alike): closed loop at each concurrency, then open loop at fractions of the
-target's closed-loop maximum in that round. Server CPU per request is the server process tree's CPU
-time over a run divided by its requests. Writes benchmarks/results/peers.json and regenerates
-benchmarks/REPORT.md.
+Every peer (benchmarks/peers/) is checked for the source model's probability, then loaded by h2load
+(loadgen.py) in interleaved rounds: closed loop at each concurrency, open loop at fractions of its
+closed-loop maximum. Writes results/peers.{json,md} and regenerates REPORT.md (docs/benchmarks.md).
 
     .venv/bin/python benchmarks/suite.py            # 2 rounds, 2 s per point (~8 minutes)
     .venv/bin/python benchmarks/suite.py --quick    # 1 round, 0.7 s per point: a smoke run
@@ -36,7 +32,7 @@ import report
 from peers import servers
 from peers.model import prepare
 
-RESULTS = HERE / "results"
+RESULTS = harness.RESULTS
 # FastAPI peers: `fastapi_<runtime>` is the async endpoint on 1 worker (the strongest honest
 # single-process service); `_sync` the threadpool endpoint users also write; `_w2` two workers.
 FASTAPI_TARGETS = tuple(f"fastapi_{rt}{v}" for rt in ("onnxruntime", "xgboost") for v in ("", "_w2", "_sync"))

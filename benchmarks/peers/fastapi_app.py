@@ -1,20 +1,11 @@
-"""The service a user would write by hand: FastAPI + uvicorn, one JSON request per score.
+"""The service a user would write by hand: FastAPI + uvicorn, POST /predict {"features": [30 floats]} -> {"probability": p}.
 
-    python benchmarks/peers/fastapi_app.py --runtime onnxruntime --model model.onnx --port 8001
-    python benchmarks/peers/fastapi_app.py --runtime xgboost --model fraud_xgb.json --port 8000 --endpoint sync
-    python benchmarks/peers/fastapi_app.py --runtime onnxruntime --model model.onnx --port 8002 --workers 2
+    python benchmarks/peers/fastapi_app.py --runtime onnxruntime --model model.onnx --port 8001 [--endpoint sync] [--workers 2]
 
-POST /predict {"features": [30 floats]} -> {"probability": p}.
-
-Two ways users write the endpoint, both kept because both are common:
-- `--endpoint async` (the default, the strongest honest configuration): `async def predict`, the body
-  parsed with `json.loads`, the model called on the event loop (a ~20 µs onnxruntime call or a
-  single-threaded XGBoost `inplace_predict` is cheaper than a hop to a thread), a plain dict
-  returned; uvicorn on uvloop + httptools.
-- `--endpoint sync`: `def predict(req: ScoreRequest) -> ScoreResponse` with pydantic models, which
-  Starlette runs in its threadpool (a thread hop per request).
-Each with `--threads` threads per model call (default 1, as scorestack's compiled model: the
-libraries' multi-threaded defaults burn CPU on one row) and `--workers` uvicorn processes.
+`--endpoint async` (default, the strongest honest configuration): `async def`, `json.loads`, the model
+called on the event loop, a plain dict returned, uvicorn on uvloop + httptools. `--endpoint sync`: a
+`def` endpoint with pydantic models, run in Starlette's threadpool. `--threads` per model call (default
+1, as scorestack's compiled model), `--workers` uvicorn processes. docs/benchmarks.md ("The peers").
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The fraud model every peer serves: the demo XGBoost, trained and compiled through scorestack's public API.
-
-Returns the source XGBoost JSON, an ONNX artifact of it verified by the compiler (the served one when
-the served version holds one, else the model compiled to ONNX alone), the feature names and the
-compiled model folder (config.pbtxt with the derived dynamic batching) in the benchmark workspace.
-"""
+"""The fraud model every peer serves: the demo XGBoost, trained and compiled through scorestack's public API, with an
+ONNX artifact of it verified by the compiler (the served one when it holds one, else the model compiled to ONNX alone)."""
 
 from __future__ import annotations
 

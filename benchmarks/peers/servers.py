@@ -1,12 +1,6 @@
-"""The peer servers, each a real process of its own, serving the same fraud model.
-
-- scorestack: the compiled model folder in the local Triton (derived dynamic batching);
-- scorestack without batching: a copy of the folder with the dynamic_batching block dropped;
-- scorestack through the Python backend: a copy whose config names backend "python" instead of
-  scorestack's native backend (the same artifacts, run by the model runtime in a stub process);
-- the floor: a copy with Triton's response cache enabled (the benchmark repeats its requests);
-- MLServer + mlserver-xgboost with adaptive batching (its own venv, KServe v2 gRPC);
-- FastAPI + uvicorn (1 worker) with XGBoost `predict_proba`, and with onnxruntime (HTTP/JSON).
+"""The peer servers, each a real process of its own serving the same fraud model: scorestack's Triton
+(derived batching, no batching, Python backend, the response-cache floor), MLServer, FastAPI and
+BentoML. docs/benchmarks.md ("The peers") lists each configuration.
 """
 
 from __future__ import annotations
