@@ -1,9 +1,10 @@
 """Converters for LightGBM models (a native model text file, or an LGBMClassifier/LGBMRegressor/LGBMRanker).
 
 The source is always the `lightgbm.Booster` (the loader unwraps the scikit-learn API object). Treelite
-reads it for TL2cgen and the tree kernel; onnxmltools' `convert_lightgbm` writes the ONNX graph.
-Linear trees are refused by the loader (compile/loaders.py): Treelite refuses them and onnxmltools
-drops the leaves' linear terms without a word (0.89 off on a small regressor).
+reads it for TL2cgen and the tree kernel; onnxmltools' `convert_lightgbm` writes the ONNX graph; the
+native candidate is the model text file run by LightGBM in the server environment. Linear trees and
+`zero_as_missing=True` only LightGBM itself computes: every other candidate refuses them by name
+(compile/loaders.py lightgbm_unexpressible), and the native one serves them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ._tree_commons import ONNX_OPSET, compile_tl2cgen, save_onnx_contract
-from .loaders import lightgbm_has_categorical_splits
+from .loaders import lightgbm_has_categorical_splits, lightgbm_unexpressible
 from .model import SourceModel
 from .registry import Artifact, ConvertContext, Skip, register_converter
 
@@ -27,9 +28,16 @@ def _refuse_categorical(source: SourceModel, fmt: str) -> None:
         raise Skip(f"categorical splits (LightGBM `categorical_feature`): {fmt} compares features with thresholds only; {CATEGORICAL_FIX}")
 
 
+def _refuse_unexpressible(source: SourceModel) -> None:
+    why = lightgbm_unexpressible(source.model.model_to_string())
+    if why:
+        raise Skip(why)
+
+
 def _treelite(source: SourceModel) -> Any:
     import treelite
 
+    _refuse_unexpressible(source)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return treelite.frontend.from_lightgbm(source.model)
@@ -40,6 +48,7 @@ def convert_lightgbm_onnx(source: SourceModel, workdir: Path, ctx: ConvertContex
     from onnxmltools import convert_lightgbm
     from onnxmltools.convert.common.data_types import FloatTensorType
 
+    _refuse_unexpressible(source)
     if "\naverage_output" in source.model.model_to_string(num_iteration=0):
         # onnxmltools sums a random forest's trees instead of averaging them (0.45 off on a 30-tree binary model).
         raise Skip("LightGBM random forest (`boosting=rf`, averaged trees): onnxmltools sums the trees instead of averaging them")
@@ -64,8 +73,10 @@ def convert_lightgbm_onnx(source: SourceModel, workdir: Path, ctx: ConvertContex
 
 
 def convert_lightgbm_native(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
-    """LightGBM is not in the server environment (serve/runtime/requirements.txt): no native candidate."""
-    raise Skip("LightGBM is not installed in the server environment (serve/runtime/requirements.txt), so its own predict cannot serve; the model is compiled to TL2cgen, the tree kernel or ONNX instead")
+    """LightGBM itself inside the model runtime (its C API: one row through the single-row fast path)."""
+    path = workdir / "model.txt"
+    source.model.save_model(str(path))
+    return Artifact("native", "lightgbm", "python", "model.txt", path)
 
 
 def convert_lightgbm_tl2cgen(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:

@@ -183,6 +183,22 @@ def lightgbm_has_categorical_splits(model_text: str) -> bool:
     return any(line.startswith("num_cat=") and line != "num_cat=0" for line in model_text.splitlines())
 
 
+def lightgbm_unexpressible(model_text: str) -> str | None:
+    """What of a LightGBM model only LightGBM itself computes (the `native` candidate), said with the
+    training setting and the fix, or None. Linear trees: each leaf is a linear function of the row;
+    Treelite refuses the model and onnxmltools keeps only the leaves' constants (0.89 off on a small
+    regressor). `zero_as_missing=True`: LightGBM scores 0.0 as missing; Treelite and onnxmltools
+    compare it as a number (0.94 off on rows with a 0.0). decision_type's bits 2-3 are a split's
+    missing type, 1 meaning "Zero"."""
+    if "\nis_linear=1" in model_text:
+        return ("the model has linear trees (`linear_tree=True`): its leaves are linear functions of the row, which only LightGBM itself "
+                "computes (the `native` candidate); retrain with linear_tree=False for the other formats")
+    if any((int(dt) >> 2) & 3 == 1 for line in model_text.splitlines() if line.startswith("decision_type=") for dt in line[14:].split()):
+        return ("the model was trained with `zero_as_missing=True`, which scores an input of 0.0 as missing; only LightGBM itself does "
+                "(the `native` candidate), the others compare 0.0 as a number; retrain with zero_as_missing=False and send missing values as NaN")
+    return None
+
+
 def _lgb_header(booster: Any) -> dict[str, str]:
     """The model text's header lines (`key=value` up to the first tree)."""
     head = booster.model_to_string(num_iteration=0).split("\nTree=")[0]
@@ -195,23 +211,6 @@ def _wrap_lightgbm(booster: Any, spec: ModelSpec, source: str) -> SourceModel:
     if not isinstance(booster, lgb.Booster):
         raise SpecError(f"spec {source}: field `source.path`: the file holds a {type(booster).__name__} from lightgbm, not a fitted model; fit it before saving")
     text = booster.model_to_string()
-    # No converter computes a linear tree's leaf (a linear function of the row): Treelite refuses the
-    # model and onnxmltools keeps only the leaves' constants, a silently different model.
-    if "\nis_linear=1" in text:
-        raise SpecError(
-            f"spec {source}: field `source.path`: {spec.source.path.name} is a LightGBM model trained with linear trees (`linear_tree=True`), "
-            "whose leaves are linear functions that neither Treelite (TL2cgen, tree kernel) nor ONNX can express; retrain with linear_tree=False "
-            "(more leaves or rounds usually recover the accuracy)"
-        )
-    # zero_as_missing=True: LightGBM scores 0.0 as missing (the split's default way). Treelite and
-    # onnxmltools compare it as a number (0.94 off on rows with a 0.0, exact on the others).
-    # decision_type's bits 2-3 are a split's missing type: 1 is "Zero".
-    if any((int(dt) >> 2) & 3 == 1 for line in text.splitlines() if line.startswith("decision_type=") for dt in line[14:].split()):
-        raise SpecError(
-            f"spec {source}: field `source.path`: {spec.source.path.name} is a LightGBM model trained with `zero_as_missing=True`, which scores "
-            "an input of 0.0 as missing; neither Treelite (TL2cgen, tree kernel) nor ONNX can express that (they compare 0.0 as a number); "
-            "retrain with zero_as_missing=False and send missing values as NaN"
-        )
     header = _lgb_header(booster)
     objective = header.get("objective", "custom").split()[0]
     allowed = _LGB_OBJECTIVES[spec.task]

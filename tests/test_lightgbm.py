@@ -18,11 +18,14 @@ FEATURES = ["a", "b", "c", "d", "e"]
 TOLERANCE = 1e-5  # probabilities: absolute; regression: + TOLERANCE * |source| (the task's relative default)
 
 
-def _rows(seed: int, n: int, categorical: bool = False) -> np.ndarray:
-    """Gaussian rows with 5% NaN (LightGBM learns a side for missing values; the converters must keep it)."""
+def _rows(seed: int, n: int, categorical: bool = False, zeros: bool = False) -> np.ndarray:
+    """Gaussian rows with 5% NaN (LightGBM learns a side for missing values; the converters must keep it);
+    `zeros`: 10% exact 0.0 as well (missing, for a model trained with zero_as_missing=True)."""
     rng = np.random.default_rng(seed)
     X = rng.normal(size=(n, len(FEATURES))).astype(np.float32)
     X[rng.random(X.shape) < 0.05] = np.nan
+    if zeros:
+        X[rng.random(X.shape) < 0.1] = 0.0
     if categorical:  # column e: category codes 0..9, plus ones never seen in training (12), negative (-1: missing) and NaN
         X[:, 4] = rng.integers(0, 10, n)
         X[rng.random(n) < 0.03, 4] = 12
@@ -41,7 +44,7 @@ def _spec(path, name: str, source: str, fmt: str, task: str, extra: str = "") ->
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """Four small models (30-40 trees) compiled into one repository: {name: (report, LightGBM's predict, categorical)}."""
+    """Six small models (20-40 trees) compiled into one repository: {name: (report, LightGBM's predict, rows kind)}."""
     d = tmp_path_factory.mktemp("lightgbm")
     X, Xc = _rows(0, 1400), _rows(1, 1400, categorical=True)
     z = np.nan_to_num(X)
@@ -69,15 +72,28 @@ def compiled(tmp_path_factory):
     np.savez(d / "lgb_cat.npz", X=Xc[1000:], y=y_cat[1000:])
     _spec(d, "lgb_cat", "cat.txt", "lightgbm-text", "binary", "formats: [onnx, tl2cgen, trees]\n")
 
-    binary, cat = lgb.Booster(model_file=str(d / "binary.txt")), lgb.Booster(model_file=str(d / "cat.txt"))
+    # What only LightGBM computes, every format allowed: linear trees (a regressor) and zero_as_missing (rows with 0.0).
+    Xz = _rows(2, 1400, zeros=True)
+    lgb.train({**params, "objective": "regression", "linear_tree": True}, lgb.Dataset(X[:1000], y_reg[:1000]), num_boost_round=20).save_model(d / "linear.txt")
+    np.savez(d / "lgb_linear.npz", X=X[1000:], y=y_reg[1000:])
+    _spec(d, "lgb_linear", "linear.txt", "lightgbm-text", "regression")
+    y_zero = (np.nan_to_num(Xz[:, 0]) + (Xz[:, 1] == 0) > 0.3).astype(int)
+    lgb.train({**params, "objective": "binary", "zero_as_missing": True}, lgb.Dataset(Xz[:1000], y_zero[:1000]), num_boost_round=30).save_model(d / "zero.txt")
+    np.savez(d / "lgb_zero.npz", X=Xz[1000:], y=y_zero[1000:])
+    _spec(d, "lgb_zero", "zero.txt", "lightgbm-text", "binary")
+
+    boosters = {name: lgb.Booster(model_file=str(d / f"{name}.txt")) for name in ("binary", "cat", "linear", "zero")}
+    column = lambda b: lambda X: b.predict(X)[:, None]
     predict = {
-        "lgb_binary": (lambda X: binary.predict(X)[:, None], False),
-        "lgb_multi": (multi.predict_proba, False),
-        "lgb_reg": (lambda X: reg.predict(X)[:, None], False),
-        "lgb_cat": (lambda X: cat.predict(X)[:, None], True),
+        "lgb_binary": (column(boosters["binary"]), "plain"),
+        "lgb_multi": (multi.predict_proba, "plain"),
+        "lgb_reg": (lambda X: reg.predict(X)[:, None], "plain"),
+        "lgb_cat": (column(boosters["cat"]), "categorical"),
+        "lgb_linear": (column(boosters["linear"]), "plain"),
+        "lgb_zero": (column(boosters["zero"]), "zeros"),
     }
     repo = d / "repo"
-    return repo, {name: (compile_model(d / f"{name}.yaml", repo), fn, categorical) for name, (fn, categorical) in predict.items()}
+    return repo, {name: (compile_model(d / f"{name}.yaml", repo), fn, kind) for name, (fn, kind) in predict.items()}
 
 
 @pytest.mark.slow
@@ -86,11 +102,11 @@ def test_lightgbm_candidates_verify_or_are_refused_with_the_setting(compiled):
     reports = {name: report for name, (report, _, _) in models.items()}
     for name, report in reports.items():
         assert report.serve_check.status == "passed", (name, report.serve_check.reason)
-        assert report.source.family == "lightgbm" and report.source.n_trees in (30, 40, 90), (name, report.source)
+        assert report.source.family == "lightgbm" and report.source.n_trees in (20, 30, 40, 90), (name, report.source)
     by = {c.format: c for c in reports["lgb_binary"].candidates}
-    for fmt in ("tl2cgen", "trees", "onnx"):
+    for fmt in ("tl2cgen", "trees", "onnx", "native"):
         assert by[fmt].verified and by[fmt].max_abs_diff <= TOLERANCE, (fmt, by[fmt].reason)
-    assert by["native"].status == "skipped" and "server environment" in by["native"].reason
+    assert by["native"].latency_us["1"] > 0
     assert by["hummingbird"].status == "skipped" and "missing-value" in by["hummingbird"].reason
     # Which verified format (or per-batch-size dispatch of them) wins is the measurement's call.
     assert reports["lgb_binary"].selected.format in ("tl2cgen", "trees", "onnx", "dispatch")
@@ -98,6 +114,12 @@ def test_lightgbm_candidates_verify_or_are_refused_with_the_setting(compiled):
     cat = {c.format: c for c in reports["lgb_cat"].candidates}
     assert cat["onnx"].verified and cat["tl2cgen"].verified
     assert cat["trees"].status == "skipped" and "`categorical_feature`" in cat["trees"].reason
+    # Linear trees and zero_as_missing: every other format refuses them by name; LightGBM itself serves them.
+    for name, setting in (("lgb_linear", "`linear_tree=True`"), ("lgb_zero", "`zero_as_missing=True`")):
+        cands = {c.format: c for c in reports[name].candidates}
+        assert reports[name].selected.format == "native" and cands["native"].max_abs_diff <= TOLERANCE, (name, cands["native"])
+        for fmt in ("tl2cgen", "trees", "onnx"):
+            assert cands[fmt].status == "skipped" and setting in cands[fmt].reason and "native" in cands[fmt].reason, (name, fmt, cands[fmt].reason)
 
 
 @pytest.mark.slow
@@ -109,8 +131,8 @@ def test_served_scores_equal_lightgbm_predict(compiled, server_environment):
         assert set(server.ready_models()) == set(models)
         client = grpcclient.InferenceServerClient(server.grpc_url)
         try:
-            for name, (report, predict, categorical) in sorted(models.items()):
-                X = _rows(7, 200, categorical)
+            for name, (report, predict, kind) in sorted(models.items()):
+                X = _rows(7, 200, categorical=kind == "categorical", zeros=kind == "zeros")
                 want = np.asarray(predict(X), dtype=np.float64)
                 got = np.concatenate([_infer(client, name, X[i : i + 64]) for i in range(0, len(X), 64)] + [_infer(client, name, X[:3][i : i + 1]) for i in range(3)])
                 want = np.concatenate([want, want[:3]])
@@ -145,10 +167,15 @@ def _train_and_spec(tmp_path, params: dict, task: str = "binary", formats: str =
         ({"zero_as_missing": True}, "`zero_as_missing=True`"),  # every converter compares 0.0 as a number
     ],
 )
-def test_models_no_converter_expresses_are_refused_naming_the_setting(tmp_path, params, setting):
-    with pytest.raises(SpecError, match="retrain with") as info:
-        compile_model(_train_and_spec(tmp_path, params), tmp_path / "repo")
-    assert setting in str(info.value) and "field `source.path`" in str(info.value)
+def test_what_only_lightgbm_computes_is_refused_by_every_other_format_naming_the_setting(tmp_path, params, setting):
+    """Without the native candidate (the spec's formats), no format can serve the model: the refusal names the setting for each."""
+    with pytest.raises(VerificationError) as info:
+        compile_model(_train_and_spec(tmp_path, params, formats="formats: [onnx, tl2cgen, trees]\n"), tmp_path / "repo")
+    text = str(info.value)
+    for fmt in ("onnx", "tl2cgen", "trees"):
+        reason = text.split(f"; {fmt}: ")[1].split("; native:")[0].split("; trees:")[0].split("; hummingbird:")[0]
+        assert setting in reason and "only LightGBM itself" in reason and "(the `native` candidate)" in reason, (fmt, text)
+    assert "native: not listed in the spec's `formats`" in text
     assert not (tmp_path / "repo" / "m").exists()
 
 

@@ -2,7 +2,8 @@
 by the real local Triton over gRPC and compared with the source model's own predictions, row by row.
 
 Models here are ones the demo never made (an XGBClassifier with base_score 0.3, multiclass forests,
-a linear Pipeline, a HistGradientBoostingClassifier pickled under numpy 2). A refusal must carry
+a linear Pipeline, a HistGradientBoostingClassifier pickled under numpy 2, LightGBM multiclass and
+lambdarank model files). A refusal must carry
 its reason and leave nothing in the repository; nothing may verify and then fail to load.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import joblib
+import lightgbm as lgb
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -108,6 +110,16 @@ def _sources(root: Path) -> list[Source]:
     sk("linear_multi", "multiclass", make_pipeline(StandardScaler(), LogisticRegression()), three)
     sk("linear_reg", "regression", make_pipeline(StandardScaler(), Ridge()), s)
     sk("hgb_binary", "binary", HistGradientBoostingClassifier(max_iter=20, random_state=0), binary)
+
+    # LightGBM model files, the two tasks its own tests do not serve in every format: several classes and ranking.
+    lgb_params = {"verbose": -1, "num_threads": 1, "num_leaves": 15, "max_depth": 4, "seed": 0}
+    for name, task, params, y, groups in (("lgb_multi", "multiclass", {"objective": "multiclass", "num_class": 3}, three, None),
+                                          ("lgb_rank", "ranking", {"objective": "lambdarank"}, rel, groups_ho)):
+        data = lgb.Dataset(X[tr], y[tr], group=groups_tr if groups is not None else None)
+        lgb.train({**lgb_params, **params}, data, num_boost_round=15).save_model(root / f"{name}.txt")
+        b = lgb.Booster(model_file=str(root / f"{name}.txt"))
+        holdout = save_holdout(name, X[ho], y[ho], groups)
+        out.append(Source(name, task, root / f"{name}.txt", "lightgbm-text", lambda Z, b=b: b.predict(Z).reshape(len(Z), -1), holdout))
     return out
 
 
@@ -174,18 +186,19 @@ def test_every_format_either_serves_exactly_or_is_refused_with_a_reason(matrix, 
     for src in sources:
         for fmt in ("onnx", "native"):
             assert f"{src.name}__{fmt}" in compiled, f"{src.name}: {fmt} refused: {refused.get(f'{src.name}__{fmt}')}"
-    for tree in ("xgb_binary", "xgb_multi", "xgb_reg", "xgb_rank", "skl_forest_binary", "skl_gbr", "hgb_binary"):
+    for tree in ("xgb_binary", "xgb_multi", "xgb_reg", "xgb_rank", "skl_forest_binary", "skl_gbr", "hgb_binary", "lgb_multi", "lgb_rank"):
         assert f"{tree}__tl2cgen" in compiled, f"{tree}: tl2cgen refused: {refused.get(f'{tree}__tl2cgen')}"
     assert "no tl2cgen converter" in str(refused["linear_reg__tl2cgen"])
     # scorestack's tree kernel serves every tree ensemble: shallow single-output boosting in the
     # complete-tree layout, the rest (several classes, leaf vectors, averaged forests, HistGradientBoosting's
     # leaf-wise trees deeper than 10) in the node layout; the report's note says which.
-    for tree in ("xgb_binary", "xgb_multi", "xgb_reg", "xgb_rank", "skl_forest_binary", "skl_forest_multi", "skl_gbr", "hgb_binary"):
+    for tree in ("xgb_binary", "xgb_multi", "xgb_reg", "xgb_rank", "skl_forest_binary", "skl_forest_multi", "skl_gbr", "hgb_binary", "lgb_multi", "lgb_rank"):
         assert f"{tree}__trees" in compiled, f"{tree}: trees refused: {refused.get(f'{tree}__trees')}"
     for tree in ("xgb_multi", "skl_forest_binary", "skl_forest_multi"):
         notes = next(c.notes for c in compiled[f"{tree}__trees"].candidates if c.format == "trees")
         assert any("node layout" in n for n in notes), (tree, notes)
     assert "no trees converter" in str(refused["linear_reg__trees"])
+    assert "missing-value handling" in str(refused["lgb_multi__hummingbird"])
 
     by_source = {s.name: s for s in sources}
     with LocalTriton(repo, server_env=server_environment, ready_timeout_s=600) as server:

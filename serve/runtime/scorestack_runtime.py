@@ -354,6 +354,59 @@ class XGBoostRunner:
         return [np.ctypeslib.as_array(self.preds, shape=shape).copy()]
 
 
+class LightGBMRunner:
+    """A LightGBM model file run by LightGBM itself, through its C API: one row through
+    `LGBM_BoosterPredictForMatSingleRowFast` (its configuration parsed once, at load), a batch through
+    `LGBM_BoosterPredictForMat` with `threads` threads. `Booster.predict` wraps the same functions;
+    its per-call Python layer (input checks, parameter strings, output reshaping) is most of its time
+    on one row. Outputs are `Booster.predict`'s: probabilities (binary: the positive class's; one
+    column per class otherwise), the transformed score for other objectives."""
+
+    def __init__(self, path, threads, params, output_names):
+        import ctypes
+
+        import lightgbm
+        from lightgbm.basic import _LIB
+
+        self.booster = lightgbm.Booster(model_file=path)
+        self.ctypes, self.lib = ctypes, _LIB
+        self.n_features = self.booster.num_feature()
+        self.n_outputs = self.booster.num_model_per_iteration()
+        self.parameter = f"num_threads={int(threads)}".encode()
+        self.fast = ctypes.c_void_p()
+        self._check(_LIB.LGBM_BoosterPredictForMatSingleRowFastInit(
+            self.booster._handle, ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(-1), ctypes.c_int(0),  # normal predict, every tree, float32 rows
+            ctypes.c_int32(self.n_features), ctypes.c_char_p(self.parameter), ctypes.byref(self.fast)))
+        self.out_len = ctypes.c_int64()
+        self.one = np.empty(self.n_outputs, dtype=np.float64)
+
+    def _check(self, status):
+        if status != 0:
+            raise RuntimeError(f"LightGBM: {self.lib.LGBM_GetLastError().decode(errors='replace')}")
+
+    def run(self, inputs):
+        ctypes = self.ctypes
+        x = np.ascontiguousarray(inputs[0][1], dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.n_features:
+            raise ValueError(f"LightGBM: expected rows of {self.n_features} features, got shape {list(x.shape)}")
+        n = x.shape[0]
+        if n == 1:
+            self._check(self.lib.LGBM_BoosterPredictForMatSingleRowFast(
+                self.fast, ctypes.c_void_p(x.ctypes.data), ctypes.byref(self.out_len), ctypes.c_void_p(self.one.ctypes.data)))
+            out = self.one.copy()
+        else:
+            out = np.empty(n * self.n_outputs, dtype=np.float64)
+            self._check(self.lib.LGBM_BoosterPredictForMat(
+                self.booster._handle, ctypes.c_void_p(x.ctypes.data), ctypes.c_int(0), ctypes.c_int32(n), ctypes.c_int32(self.n_features),
+                ctypes.c_int(1), ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(-1), ctypes.c_char_p(self.parameter), ctypes.byref(self.out_len),
+                ctypes.c_void_p(out.ctypes.data)))
+        return [out.reshape(n, self.n_outputs) if self.n_outputs > 1 else out]
+
+    def __del__(self):
+        if getattr(self, "fast", None) and self.fast.value:
+            self.lib.LGBM_FastConfigFree(self.fast)
+
+
 class SklearnRunner:
     """A joblib-saved scikit-learn estimator; n_jobs set to `threads` (parallelism comes from instances)."""
 
@@ -484,6 +537,7 @@ class TensorRTRunner:
 RUNNERS = {
     "onnxruntime": OnnxRuntimeRunner,
     "xgboost": XGBoostRunner,
+    "lightgbm": LightGBMRunner,
     "sklearn": SklearnRunner,
     "tl2cgen": TL2cgenRunner,
     "tensorrt": TensorRTRunner,

@@ -62,7 +62,7 @@ class Worker:
 
     def hello(self, msg, blobs):
         versions = {}
-        for lib in ("onnxruntime", "xgboost", "sklearn", "tl2cgen"):
+        for lib in ("onnxruntime", "xgboost", "lightgbm", "sklearn", "tl2cgen"):
             try:
                 versions[lib] = __import__(lib).__version__
             except Exception as exc:  # reported, not fatal
