@@ -21,7 +21,7 @@ from .profile import BatchProfile
 from .report import CompileReport, RetiredVersion
 from .spec import ModelSpec
 
-COMPILER_VERSION = "scorestack-compile 11"  # 2: measured on a batch-size grid, per-batch-size dispatch; 3: no queue delay (a lone request runs at once); 4: the tree kernel, timed on distinct rows; 5: the native backend; 6: serving.queue_policy (on by default) recorded in the report; 7: recompiles what an intermediate 6 compiled without the policy; 8: with the queue policy, twice the instances that run at once; 9: each version folder holds its reference rows (rt.REFERENCE); 10: TL2cgen built in up to 32 files within build_budget_s, the tree kernel's node layout (deep trees, classes, leaf vectors); 11: LightGBM native (its C API in the server environment), linear trees and zero_as_missing served by it
+COMPILER_VERSION = "scorestack-compile 11"  # 2: measured on a batch-size grid, per-batch-size dispatch; 3: no queue delay (a lone request runs at once); 4: the tree kernel, timed on distinct rows; 5: the native backend; 6: serving.queue_policy (on by default) recorded in the report; 7: recompiles what an intermediate 6 compiled without the policy; 8: with the queue policy, twice the instances that run at once; 9: each version folder holds its reference rows (rt.REFERENCE); 10: TL2cgen built in up to 32 files within build_budget_s, the tree kernel's node layout (deep trees, classes, leaf vectors); 11: LightGBM native (its C API in the server environment), linear trees and zero_as_missing served by it, the node layout walks a lone row through 8 trees at once
 
 
 def content_hash(spec_path: Path, spec: ModelSpec, profile: BatchProfile | None = None) -> str:
