@@ -354,7 +354,6 @@ def main() -> None:
     from peers.model import compiled_onnx  # the compiler and the demo's setup stay out of the services' processes
 
     from scorestack import paths
-
     repository, repo, specs = harness.demo_stack(("fraud_xgb", "ranking_xgb"), project="bench_e2e", n_users=N_USERS)
     onnx = {name: compiled_onnx(specs[name], paths.workspace() / "bench_e2e") for name in ("fraud_xgb", "ranking_xgb")}
     scale = 4 if args.quick else 1

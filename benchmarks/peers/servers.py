@@ -18,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+import harness
 from peers.model import FraudModel
 from scorestack.errors import ServerError
 from scorestack.serve.ports import free_port
@@ -52,6 +53,23 @@ def _wait_ready(probe, proc: subprocess.Popen, timeout_s: float, what: str, log:
     except ServerError as exc:
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
         raise RuntimeError(f"{exc}; log {log}:\n{tail}") from None
+
+
+def _launch(cmd: list[str], logf: Path, probe, timeout_s: float, what: str, **popen: object) -> subprocess.Popen:
+    """Start a peer in its own session, output to `logf`, and wait until `probe` passes (stopped again if it never does)."""
+    with open(logf, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+    try:
+        _wait_ready(probe, proc, timeout_s, what, logf)
+    except Exception:
+        _stop_proc(proc)
+        raise
+    return proc
+
+
+def _tree_pids(proc: subprocess.Popen) -> Callable[[], list[int]]:
+    """A supervisor's pid and its workers' (uvicorn's, bentoml's): the process tree charged with the server's CPU."""
+    return lambda: [p.pid for p in harness.tree(proc.pid)] or [proc.pid]
 
 
 def _stop_proc(proc: subprocess.Popen) -> None:
@@ -195,17 +213,8 @@ def start_mlserver(model: FraudModel, run_dir: Path, max_batch_size: int, max_ba
     # One OpenMP thread per XGBoost call, as scorestack's compiled model and the FastAPI peers.
     penv = {**os.environ, "PATH": f"{env.bin}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
     penv.pop("PYTHONPATH", None)
-    with open(logf, "ab") as fh:
-        proc = subprocess.Popen([str(env.bin / "mlserver"), "start", str(run_dir)], stdout=fh, stderr=subprocess.STDOUT,
-                                cwd=run_dir, env=penv, start_new_session=True)
-    try:
-        _wait_ready(
-            all_of(lambda: port_open("127.0.0.1", ports["grpc_port"]), lambda: http_ok(f"http://127.0.0.1:{ports['http_port']}/v2/models/fraud_xgb/ready")),
-            proc, 120, "mlserver model fraud_xgb", logf,
-        )
-    except Exception:
-        _stop_proc(proc)
-        raise
+    ready = all_of(lambda: port_open("127.0.0.1", ports["grpc_port"]), lambda: http_ok(f"http://127.0.0.1:{ports['http_port']}/v2/models/fraud_xgb/ready"))
+    proc = _launch([str(env.bin / "mlserver"), "start", str(run_dir)], logf, ready, 120, "mlserver model fraud_xgb", cwd=run_dir, env=penv)
     return Peer(
         name="mlserver", protocol="grpc", address=f"127.0.0.1:{ports['grpc_port']}", model="fraud_xgb", input_name="features",
         description="MLServer + mlserver-xgboost, adaptive batching, KServe v2 gRPC",
@@ -225,26 +234,12 @@ def start_fastapi(runtime: str, model: FraudModel, run_dir: Path, threads: int =
     cmd = [sys.executable, str(HERE / "fastapi_app.py"), "--runtime", runtime, "--model", str(path), "--features",
            str(len(model.features)), "--threads", str(threads), "--endpoint", endpoint, "--workers", str(workers), "--port", str(port)]
     logf = run_dir / f"fastapi_{runtime}_{endpoint}_w{workers}.log"
-    with open(logf, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), proc, 60, f"fastapi ({runtime}, {endpoint}, {workers} workers)", logf)
-    except Exception:
-        _stop_proc(proc)
-        raise
+    proc = _launch(cmd, logf, lambda: http_ok(f"http://127.0.0.1:{port}/health"), 60, f"fastapi ({runtime}, {endpoint}, {workers} workers)")
     lib = "xgboost-cpu" if runtime == "xgboost" else "onnxruntime"
     call = f"Booster.inplace_predict, nthread={threads}" if runtime == "xgboost" else f"InferenceSession.run (CPUExecutionProvider), intra_op_num_threads={threads}, inter_op_num_threads=1"
     style = ("async def endpoint, body parsed with json.loads, model called on the event loop, plain dict returned" if endpoint == "async"
              else "def endpoint with pydantic request/response models (run in Starlette's threadpool)")
     name = f"fastapi_{runtime}" + ("_sync" if endpoint == "sync" else "") + (f"_w{workers}" if workers > 1 else "")
-
-    def pids() -> list[int]:  # uvicorn's supervisor and its worker processes
-        import psutil
-
-        try:
-            return [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-        except psutil.NoSuchProcess:
-            return [proc.pid]
 
     return Peer(
         name=name, protocol="http", address=f"127.0.0.1:{port}", model="/predict", input_name="features",
@@ -254,7 +249,7 @@ def start_fastapi(runtime: str, model: FraudModel, run_dir: Path, threads: int =
                 "loop": "uvloop", "http": "httptools", "model": Path(path).name, "runtime_options": call, "endpoint": style,
                 "request": 'POST /predict {"features": [30 floats]} -> {"probability": p}'},
         versions=_pkg_versions(("fastapi", "uvicorn", "pydantic", "uvloop", "httptools", lib, "numpy")),
-        pids=pids, stop=lambda: _stop_proc(proc),
+        pids=_tree_pids(proc), stop=lambda: _stop_proc(proc),
     )
 
 
@@ -270,28 +265,14 @@ def start_bentoml(model: FraudModel, run_dir: Path, log=print) -> Peer:
     penv = {**os.environ, "SCORESTACK_BENTO_MODEL": str(model.onnx), "BENTOML_HOME": str(run_dir / "bentoml_home"), "OMP_NUM_THREADS": "1"}
     penv.pop("PYTHONPATH", None)
     cmd = [str(env.bin / "bentoml"), "serve", "bentoml_service:Fraud", "--host", "127.0.0.1", "--port", str(port)]
-    with open(logf, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=HERE, env=penv, start_new_session=True)
-    try:
-        _wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/readyz"), proc, 120, "bentoml service Fraud", logf)
-    except Exception:
-        _stop_proc(proc)
-        raise
-
-    def pids() -> list[int]:  # bentoml's supervisor and its worker process
-        import psutil
-
-        try:
-            return [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-        except psutil.NoSuchProcess:
-            return [proc.pid]
+    proc = _launch(cmd, logf, lambda: http_ok(f"http://127.0.0.1:{port}/readyz"), 120, "bentoml service Fraud", cwd=HERE, env=penv)
 
     return Peer(
         name="bentoml", protocol="http", address=f"127.0.0.1:{port}", model="/predict", input_name="features",
         description="BentoML service (1 worker), async API, onnxruntime (1 intra-op thread) on the event loop, HTTP/1.1 JSON",
         config={"command": "bentoml serve bentoml_service:Fraud", "service": "benchmarks/peers/bentoml_service.py", "workers": 1,
                 "request": 'POST /predict {"features": [30 floats]} -> {"probability": p}'},
-        versions=env.versions(BENTOML_REPORTED), pids=pids, stop=lambda: _stop_proc(proc),
+        versions=env.versions(BENTOML_REPORTED), pids=_tree_pids(proc), stop=lambda: _stop_proc(proc),
     )
 
 
