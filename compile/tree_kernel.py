@@ -193,7 +193,6 @@ def kernel_source(arrays: dict[str, Any]) -> str:
 #define N_FEATURE {arrays['n_feature']}
 #define ROW_BLOCK {ROW_BLOCK}
 #define INTERLEAVE {INTERLEAVE}
-#define TREE_GROUP {TREE_GROUP}
 
 static const int32_t FEAT[N_TREES * N_INNER] = {{{",".join(str(int(v)) for v in feat.ravel())}}};
 static const float THR[N_TREES * N_INNER] = {{{_c_floats(thr)}}};
