@@ -170,7 +170,7 @@ def host_port(mapping: str) -> tuple[str, int, int]:
 def test_triton_image_installs_exactly_the_server_environments_pins():
     pins = read_requirements(RUNTIME_REQUIREMENTS_FILE)
     assert SERVER_REQUIREMENTS == (TRITON_WHEEL, *pins)
-    assert requirements_hash() == requirements_hash(("nvidia-pytriton==0.7.0", "numpy==1.26.4", "onnxruntime==1.31.1", "scikit-learn==1.9.1", "xgboost-cpu==3.2.0", "tl2cgen==1.0.0", "threadpoolctl==3.8.0"))
+    assert requirements_hash() == requirements_hash(("nvidia-pytriton==0.7.0", "numpy==1.26.4", "onnxruntime==1.31.1", "scikit-learn==1.9.1", "xgboost-cpu==3.2.0", "lightgbm==4.6.0", "tl2cgen==1.0.0", "threadpoolctl==3.8.0"))
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][A-Za-z0-9.]*", p) for p in pins), pins
     assert not any(p.startswith("nvidia-pytriton") for p in pins), "the official image has tritonserver"
 
