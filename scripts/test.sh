@@ -20,4 +20,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Two workers, a whole module each at a time: most of a test's wall time is waiting on servers,
 # compiles and subprocesses, so two overlap on 2 cores. Modules start in the order tests/conftest.py
 # gives (the long ones first), not xdist's default (most tests first).
-exec .venv/bin/python -m pytest -n "${SCORESTACK_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# The whole run is bounded (SCORESTACK_TEST_TIMEOUT_S, default 40 minutes; it takes about 10 on 2
+# cores): a worker that dies can leave pytest-xdist waiting forever, and a hang must fail, not stall CI.
+limit=${SCORESTACK_TEST_TIMEOUT_S:-2400}
+status=0
+timeout --kill-after=60 "$limit" .venv/bin/python -m pytest -n "${SCORESTACK_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" || status=$?
+if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+  echo "scripts/test.sh: the suite ran past ${limit} s (SCORESTACK_TEST_TIMEOUT_S) and was stopped: a hung test or a worker that died (see above)" >&2
+fi
+exit "$status"
