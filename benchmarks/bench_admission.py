@@ -84,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES), help="none, fixed, adaptive, adaptive:T (target T ms)")
     ap.add_argument("--out", type=Path, default=harness.RESULTS / "admission.json")
     args = ap.parse_args(argv)
-    data_policies = args.policies
 
     import suite
     from peers import servers
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": harness.machine(), "load_before": list(os.getloadavg()),
             "rows_per_request": args.rows, "rounds": args.rounds, "duration_s": args.duration, "deadline_s": args.deadline,
             "budget_ms": budget_ms, "model": {k: v for k, v in triton.items() if k != "rules"}, "server_cpus": server_cpus,
-            "client_cpus": client_cpus, "policies": data_policies, "points": [], "failures": []}
+            "client_cpus": client_cpus, "policies": args.policies, "points": [], "failures": []}
 
     def start():
         peer = servers.start_triton("scorestack", servers.triton_variants(model, servers.tmp_run_dir("scorestack-admission-"))["batching"], "")

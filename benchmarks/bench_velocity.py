@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness
-from harness import Tally, closed_loop, machine, table, write_results
+from harness import Tally, closed_loop, demo_stack, machine, table, write_results
 
 from scorestack.features.velocity import FRAUD_VELOCITY, RedisVelocity, VelocityWriter
 from scorestack.serve.ports import free_port
@@ -259,7 +258,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench_velocity_"))
     try:
         runs = [] if args.only_fetch else [exact_run(args, workdir), exact_run(args, workdir, outage=True)]
-        repository = None if args.skip_fetch or args.no_model else harness.demo_stack(("fraud_xgb",), project="bench_velocity_model", n_users=10)[0]
+        repository = None if args.skip_fetch or args.no_model else demo_stack(("fraud_xgb",), project=None)[0]
         fetch = None if args.skip_fetch else asyncio.run(fetch_runs(workdir, args.fetch_seconds, args.rounds, repository))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

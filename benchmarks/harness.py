@@ -542,9 +542,9 @@ def machine(**extra: Any) -> dict[str, Any]:
             "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": list(os.getloadavg()), **extra}
 
 
-def demo_stack(models: Sequence[str], *, project: str, n_users: int = 5000, recompile: bool = False) -> tuple[Path, Path, dict[str, Path]]:
-    """The demo models trained into the workspace (once), `models` compiled (skipped when unchanged unless `recompile`),
-    and a Feast repository of the demo features on Redis (REDIS_URL) applied and materialized: (repository, feature repo, specs)."""
+def demo_stack(models: Sequence[str], *, project: str | None, n_users: int = 5000, recompile: bool = False) -> tuple[Path, Path | None, dict[str, Path]]:
+    """The demo models trained into the workspace (once), `models` compiled (skipped when unchanged unless `recompile`), and with a
+    `project` a Feast repository of the demo features on Redis (REDIS_URL), applied and materialized: (repository, feature repo or None, specs)."""
     from scorestack import paths
     from scorestack.compile import compile_model
     from scorestack.demo.features import init_repo
@@ -555,6 +555,8 @@ def demo_stack(models: Sequence[str], *, project: str, n_users: int = 5000, reco
     specs = {p.stem: p for p in train_demo_models(ws / "models")}
     for name in models:
         compile_model(specs[name], ws / "model_repository", force=recompile)
+    if project is None:
+        return ws / "model_repository", None, specs
     repo = init_repo(ws / f"feature_repo_{project}", online="redis", redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
                      n_users=n_users, project=project)
     store.apply(repo)

@@ -4,11 +4,12 @@ The source is always the `lightgbm.Booster` (the loader unwraps the scikit-learn
 reads it for TL2cgen and the tree kernel; onnxmltools' `convert_lightgbm` writes the ONNX graph; the
 native candidate is the model text file run by LightGBM in the server environment. Linear trees and
 `zero_as_missing=True` only LightGBM itself computes: every other candidate refuses them by name
-(compile/loaders.py lightgbm_unexpressible), and the native one serves them.
+(compile/loaders.py lightgbm_unexpressible, checked where they are registered), and the native one serves them.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,28 +17,43 @@ from typing import Any
 from ._tree_commons import ONNX_OPSET, compile_tl2cgen, save_onnx_contract
 from .loaders import lightgbm_has_categorical_splits, lightgbm_unexpressible
 from .model import SourceModel
-from .registry import Artifact, ConvertContext, Skip, register_converter
+from .registry import Artifact, ConvertContext, Converter, Skip, register_converter
 
 # onnxmltools' LightGBM converter, like its XGBoost one, writes ai.onnx opsets up to 15.
 _ONNXMLTOOLS_OPSET = min(ONNX_OPSET, 15)
 CATEGORICAL_FIX = "encode the column as a number (ordinal or one-hot) and retrain without `categorical_feature`"
 
 
+def _model_text(source: SourceModel) -> str:
+    """The model's text (LightGBM writes it anew on every call: megabytes for large ensembles), once per source model."""
+    if "lightgbm_text" not in source.cache:
+        source.cache["lightgbm_text"] = source.model.model_to_string()
+    return source.cache["lightgbm_text"]
+
+
 def _refuse_categorical(source: SourceModel, fmt: str) -> None:
-    if lightgbm_has_categorical_splits(source.model.model_to_string()):
+    if lightgbm_has_categorical_splits(_model_text(source)):
         raise Skip(f"categorical splits (LightGBM `categorical_feature`): {fmt} compares features with thresholds only; {CATEGORICAL_FIX}")
 
 
-def _refuse_unexpressible(source: SourceModel) -> None:
-    why = lightgbm_unexpressible(source.model.model_to_string())
-    if why:
-        raise Skip(why)
+def _expressible_only(convert: Converter) -> Converter:
+    """A converter of a LightGBM model into another format than LightGBM's own: it refuses, by name, what
+    only LightGBM computes (lightgbm_unexpressible) before converting. Applied where the converters are
+    registered, so no format other than `native` can serve such a model by omission."""
+
+    @functools.wraps(convert)
+    def checked(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+        why = lightgbm_unexpressible(_model_text(source))
+        if why:
+            raise Skip(why)
+        return convert(source, workdir, ctx)
+
+    return checked
 
 
 def _treelite(source: SourceModel) -> Any:
     import treelite
 
-    _refuse_unexpressible(source)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return treelite.frontend.from_lightgbm(source.model)
@@ -48,8 +64,7 @@ def convert_lightgbm_onnx(source: SourceModel, workdir: Path, ctx: ConvertContex
     from onnxmltools import convert_lightgbm
     from onnxmltools.convert.common.data_types import FloatTensorType
 
-    _refuse_unexpressible(source)
-    if "\naverage_output" in source.model.model_to_string(num_iteration=0):
+    if "\naverage_output" in _model_text(source):
         # onnxmltools sums a random forest's trees instead of averaging them (0.45 off on a 30-tree binary model).
         raise Skip("LightGBM random forest (`boosting=rf`, averaged trees): onnxmltools sums the trees instead of averaging them")
     if source.objective == "multiclassova":
@@ -100,8 +115,8 @@ def convert_lightgbm_hummingbird(source: SourceModel, workdir: Path, ctx: Conver
     raise Skip("hummingbird ignores LightGBM's missing-value handling (rows with NaN take the wrong branch), so it cannot be verified for every input")
 
 
-register_converter("lightgbm", "onnx", convert_lightgbm_onnx)
+register_converter("lightgbm", "onnx", _expressible_only(convert_lightgbm_onnx))
 register_converter("lightgbm", "native", convert_lightgbm_native)
-register_converter("lightgbm", "tl2cgen", convert_lightgbm_tl2cgen)
-register_converter("lightgbm", "trees", convert_lightgbm_trees)
-register_converter("lightgbm", "hummingbird", convert_lightgbm_hummingbird)
+register_converter("lightgbm", "tl2cgen", _expressible_only(convert_lightgbm_tl2cgen))
+register_converter("lightgbm", "trees", _expressible_only(convert_lightgbm_trees))
+register_converter("lightgbm", "hummingbird", convert_lightgbm_hummingbird)  # refuses every LightGBM model (TensorRT's path too)

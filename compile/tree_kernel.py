@@ -323,7 +323,7 @@ def node_kernel_source(arrays: dict[str, Any], nodes_bin: Path, leafv_bin: Path)
         if any(c in str(path) for c in '"\\\n'):
             raise Skip(f"the build folder {path.parent} has a quote, backslash or newline in its name")
     k, n_trees = arrays["k"], len(arrays["roots"])
-    add = "{{ const float* lv = SS_LEAFV + SS_NODES[{i}].leaf; double* a = acc + ({b}) * K; for (int j = 0; j < K; ++j) a[j] += lv[j]; }}" if arrays["vectors"] else "acc[({b}) * K + c] += SS_LEAFV[SS_NODES[{i}].leaf];"
+    add = "{{ const float* lv = SS_LEAFV + SS_NODES[{i}].leaf; double* a = acc + ({b}) * K; for (int j = 0; j < K; ++j) a[j] += lv[j]; }}" if arrays["vectors"] else "acc[({b}) * K + {c}] += SS_LEAFV[SS_NODES[{i}].leaf];"
     rows = range(INTERLEAVE)
     step = "i{r} = SS_NODES[i{r}].ch + (int32_t)((v{r} >= SS_NODES[i{r}].thr) | ((v{r} != v{r}) & (((uint32_t)SS_NODES[i{r}].fm >> 30) & 1u)));"
     interleaved = "\n".join(
@@ -332,7 +332,7 @@ def node_kernel_source(arrays: dict[str, Any], nodes_bin: Path, leafv_bin: Path)
         + [f"          const float v{r} = x{r}[SS_NODES[i{r}].fm & 0x3fffffff];" for r in rows]
         + ["          " + step.format(r=r) for r in rows]
         + ["        }"]
-        + ["        " + add.format(i=f"i{r}", b=f"b + {r}") for r in rows]
+        + ["        " + add.format(i=f"i{r}", b=f"b + {r}", c="c") for r in rows]
     )
     # The rows left over (a lone row, or the last few of a batch): TREE_GROUP trees' walks side by side
     # for the row, until all of them stand on a leaf (a leaf's record has the sign bit and loops on
@@ -346,7 +346,7 @@ def node_kernel_source(arrays: dict[str, Any], nodes_bin: Path, leafv_bin: Path)
         + [f"            const float v{r} = x[f{r} & 0x3fffffff];" for r in trees]
         + [f"            j{r} = SS_NODES[j{r}].ch + (int32_t)((v{r} >= SS_NODES[j{r}].thr) | ((v{r} != v{r}) & (((uint32_t)f{r} >> 30) & 1u)));" for r in trees]
         + ["          }"]
-        + ["          " + add.format(i=f"j{r}", b="b").replace("+ c]", f"+ CLS[t + {r}]]") for r in trees]
+        + ["          " + add.format(i=f"j{r}", b="b", c=f"CLS[t + {r}]") for r in trees]
     )
     post = arrays["post"]
     sigmoid = "for (int j = 0; j < K; ++j) r[j] = (float)(1.0 / (1.0 + exp(-ALPHA * m[j])));"  # one per class for multiclass_ova
@@ -411,7 +411,7 @@ int scorestack_predict_batch(const float* X, int64_t n_rows, int32_t n_cols, int
           const float v = x[fm & 0x3fffffff];
           i = SS_NODES[i].ch + (int32_t)((v >= SS_NODES[i].thr) | ((v != v) & (fm >> 30)));
         }}
-        {add.format(i="i", b="b")}
+        {add.format(i="i", b="b", c="c")}
       }}
     }}
     for (int64_t b = 0; b < nb; ++b) {{

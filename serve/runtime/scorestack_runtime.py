@@ -471,28 +471,22 @@ class TL2cgenRunner:
         self.dmatrix = tl2cgen.DMatrix
         self.predictor = tl2cgen.Predictor(path, nthread=self.threads)
 
-    @staticmethod
-    def _failed(rc, n_cols):
-        raise ValueError(f"TL2cgen library: {n_cols} input columns, the model was compiled for another number" if rc == -1 else f"TL2cgen library: error {rc}")
-
     def _call(self, x, out, lo, hi):
         n_cols = x.shape[1]
         rc = self.batch(x.ctypes.data + lo * n_cols * 4, hi - lo, n_cols, 0, out.ctypes.data + lo * self.n_outputs * out.itemsize)
         if rc != 0:
-            self._failed(rc, n_cols)
+            raise ValueError(f"TL2cgen library: {n_cols} input columns, the model was compiled for another number" if rc == -1 else f"TL2cgen library: error {rc}")
 
     def _run_batch(self, inputs):
         x = inputs[0][1]
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=np.float32)
-        n, n_cols = x.shape
+        n = x.shape[0]
         # (rows, targets, classes): the shape tl2cgen.Predictor returns, so the compiler's output
         # column means the same with either path.
         out = np.empty((n, *self.shape), dtype=self.dtype)
-        if self.pool is None or n < self.PARALLEL_MIN_ROWS:  # one call on this thread (a lone row's whole path)
-            rc = self.batch(x.ctypes.data, n, n_cols, 0, out.ctypes.data)
-            if rc != 0:
-                self._failed(rc, n_cols)
+        if self.pool is None or n < self.PARALLEL_MIN_ROWS:
+            self._call(x, out, 0, n)
         else:
             step = -(-n // self.threads)
             for f in [self.pool.submit(self._call, x, out, lo, min(n, lo + step)) for lo in range(0, n, step)]:
