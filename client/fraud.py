@@ -86,7 +86,6 @@ class FraudService(ScoringPath):
         super().__init__(triton, fetcher, model=model, feature_names=feature_names, feature_service=feature_service, deadline_s=deadline_s, metrics=metrics)
         self.threshold = threshold
         self.velocity = velocity
-        self._scoring = 0  # score calls in flight
         self.writer = writer if velocity is None else None
         self.counter_update = counter_update if self.writer is not None else None
         if self.counter_update is not None:
@@ -96,13 +95,6 @@ class FraudService(ScoringPath):
             self._counter_cols = [self.feature_names.index(f) for f in self.counter_update.features]
 
     async def score(self, transaction: Mapping[str, Any]) -> FraudScore:
-        self._scoring += 1
-        try:
-            return await self._score(transaction)
-        finally:
-            self._scoring -= 1
-
-    async def _score(self, transaction: Mapping[str, Any]) -> FraudScore:
         timer = PhaseTimer()
         with timer.phase("validate"):
             if not isinstance(transaction, Mapping):
@@ -123,10 +115,6 @@ class FraudService(ScoringPath):
                 fetch.cancel()
                 raise
         features, vector = await self._features_matrix(timer, fetch, request_values)
-        if self.velocity is not None and self._scoring == 1:
-            # A lone request: the earlier events' write-back goes while it waits for the model (with
-            # others in flight, the writer's linger batches them instead).
-            self.velocity.flush()
         unwritten = None
         if self.counter_update is not None:
             # This user's previous transaction may still be on its way to the store: score with it.

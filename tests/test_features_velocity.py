@@ -61,6 +61,18 @@ def test_events_age_out_of_their_window(counters):
     clock.t = T0 + 86400 + 3600  # both older than 24 h (1 h resolution)
     assert store.read(7) == dict.fromkeys(FRAUD_VELOCITY.feature_names, 0.0)
     assert store.read(8) == dict.fromkeys(FRAUD_VELOCITY.feature_names, 0.0)  # another entity: untouched
+    if isinstance(store, RedisVelocity):
+        # The hash outlives its longest window: its expiry is set one day and an hour ahead when an
+        # event opens a bucket (e2 opened a new 5-minute one), and not renewed by an event that does not.
+        hash_ttl = 86400 + 3600
+        assert hash_ttl - 5 <= store.client.ttl(store.key(7)) <= hash_ttl
+        clock.t = T0 + 1800
+        store.client.expire(store.key(7), 100)
+        store.add(7, "e3", {"amount": 1.0})  # e2's buckets: nothing new opened
+        assert store.client.ttl(store.key(7)) <= 100
+        clock.t = T0 + 1800 + 300
+        store.add(7, "e4", {"amount": 1.0})  # a new 5-minute bucket
+        assert store.client.ttl(store.key(7)) >= hash_ttl - 5
 
 
 def test_late_event_lands_in_its_own_bucket_and_retries_do_not_double_count(counters):
