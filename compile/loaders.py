@@ -148,13 +148,35 @@ def _wrap(obj: Any, spec: ModelSpec, source: str) -> SourceModel:
     import xgboost as xgb
 
     if isinstance(obj, xgb.XGBModel):
-        obj = obj.get_booster()
+        return _wrap_xgboost(obj.get_booster(), spec, source, sklearn_api=True)
     if isinstance(obj, xgb.Booster):
-        return _wrap_xgboost(obj, spec, source)
+        # XGBModel.save_model marks its files; xgb.train's Booster.save_model does not.
+        return _wrap_xgboost(obj, spec, source, sklearn_api=obj.attr("scikit_learn") is not None)
     return _wrap_sklearn(obj, spec, source)
 
 
-def _wrap_xgboost(booster: Any, spec: ModelSpec, source: str) -> SourceModel:
+def _early_stopping(booster: Any, spec: ModelSpec, sklearn_api: bool) -> tuple[Any, str]:
+    """The rounds to serve of a model that records an early-stopping `best_iteration` (the booster,
+    sliced where they are fewer than it holds) and what the compile report says about it."""
+    best = booster.attr("best_iteration")
+    rounds = booster.num_boosted_rounds()
+    if best is None or int(best) + 1 >= rounds:
+        return booster, ""
+    keep = int(best) + 1
+    mode = spec.source.iterations
+    if mode == "auto":
+        mode = "best" if sklearn_api else "all"
+    if mode == "best":
+        why = "as XGBoost's scikit-learn predict does" if sklearn_api else "`source.iterations: best`"
+        return booster[:keep], (f"; early stopping: the {keep} rounds up to its best iteration of {rounds} trained, {why} "
+                                "(`source.iterations: all` serves every round)")
+    why = "as Booster.predict does" if not sklearn_api else "`source.iterations: all`"
+    return booster, (f"; every one of its {rounds} rounds, {why}, though early stopping found the best at {keep} "
+                     "(`source.iterations: best` serves those)")
+
+
+def _wrap_xgboost(booster: Any, spec: ModelSpec, source: str, *, sklearn_api: bool = False) -> SourceModel:
+    booster, stopping = _early_stopping(booster, spec, sklearn_api)
     objective, num_class = _xgb_meta(booster)
     allowed = _XGB_OBJECTIVES[spec.task]
     if not any(objective == a or (a.endswith(":") and objective.startswith(a)) for a in allowed):
@@ -174,7 +196,7 @@ def _wrap_xgboost(booster: Any, spec: ModelSpec, source: str) -> SourceModel:
         n_features=n_features,
         n_classes=n_classes,
         objective=objective,
-        description=f"XGBoost Booster, objective {objective}, {rounds} boosting rounds",
+        description=f"XGBoost Booster, objective {objective}, {rounds} boosting rounds{stopping}",
     )
 
 

@@ -31,6 +31,10 @@ class SourceSpec(_Strict):
     path: Path
     format: SourceFormat
     trusted: bool = False  # joblib/pickle/torch-module/torchscript run code on load: only load files the user vouches for
+    # An early-stopped XGBoost model (it records `best_iteration`): `best` serves the rounds up to it, as
+    # XGBoost's scikit-learn predict does; `all` every round, as Booster.predict does; `auto` what the
+    # API that saved it predicts (best for XGBClassifier/XGBRegressor files and objects, all for xgb.train's).
+    iterations: Literal["auto", "best", "all"] = "auto"
     # torch-module: the importable class "package.module:ClassName" and its constructor arguments.
     module: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     module_kwargs: dict[str, Any] = Field(default_factory=dict)
