@@ -4,7 +4,8 @@ by the real local Triton over gRPC and compared with the source model's own pred
 Models here are ones the demo never made (an XGBClassifier with base_score 0.3, multiclass forests,
 a linear Pipeline, a HistGradientBoostingClassifier pickled under numpy 2, LightGBM multiclass and
 lambdarank model files). A refusal must carry
-its reason and leave nothing in the repository; nothing may verify and then fail to load.
+its reason and leave nothing in the repository; nothing may verify and then fail to load. The same
+folders then run in the embedded mode (no Triton), as the source predicts.
 """
 
 from __future__ import annotations
@@ -239,3 +240,27 @@ def test_artifact_names_that_import_could_resolve_are_refused():
             check_artifact_name(bad)
     for good in ("model-tl2cgen.so", "model.onnx", "model.json", "model.joblib", "model.plan"):
         check_artifact_name(good)
+
+
+def test_embedded_mode_runs_every_format_the_matrix_compiled(matrix):
+    """The same version folders in this process (TritonClient(in_process=EmbeddedModels(...))'s runtime): each
+    reproduces the compiler's reference rows here, and answers the holdout rows, in batches and alone, as the source does."""
+    from scorestack.serve.embedded import EmbeddedModels
+
+    repo, sources, outcomes = matrix
+    compiled = sorted(n for n, r in outcomes.items() if not isinstance(r, Exception))
+    by_source = {s.name: s for s in sources}
+    with EmbeddedModels(repo, models=compiled) as embedded:
+        checked = embedded.reference_check()
+        assert set(checked) == set(compiled) and max(checked.values()) <= TOLERANCE, checked
+        for name in compiled:
+            src = by_source[name.split("__")[0]]
+            X = np.load(src.holdout)["X"][:40]
+            want = src.predict(X).astype(np.float64)
+            meta = embedded.model_metadata(name)
+            inp, out = meta["inputs"][0]["name"], meta["outputs"][0]["name"]
+            got = np.concatenate([embedded.infer(name, [(inp, "FP32", X[i : i + 16])], [out])[out] for i in range(0, len(X), 16)]).astype(np.float64)
+            lone = np.concatenate([embedded.infer(name, [(inp, "FP32", X[i : i + 1])], [out])[out] for i in range(3)]).astype(np.float64)
+            np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=TOLERANCE, err_msg=name)
+            np.testing.assert_allclose(lone.reshape(want[:3].shape), want[:3], rtol=0, atol=TOLERANCE, err_msg=name)
+    assert {n.split("__")[1] for n in compiled} >= {"onnx", "native", "tl2cgen", "trees"}  # every family's formats ran here
