@@ -175,3 +175,35 @@ def server_environment():
     from scorestack.serve import ensure_server_environment
 
     return ensure_server_environment()
+
+
+def user_feature_repo(root: Path, definitions: str, online_store: str, project: str, offline: dict) -> "feast.FeatureStore":  # noqa: F821
+    """A Feast repository as a team writes its own: `definitions` (Python, `{data}` standing for the data folder)
+    in `root`, a feature_store.yaml with `online_store` (its YAML block), `offline` ({file name: DataFrame}) as the
+    parquet sources, and every Entity, DataSource, FeatureView, OnDemandFeatureView and FeatureService applied."""
+    import importlib.util
+    import sys
+    import uuid
+
+    import feast
+    from feast import Entity, FeatureService, FeatureView, OnDemandFeatureView
+    from feast.data_source import DataSource
+
+    data = root / "data"
+    data.mkdir(parents=True)
+    (root / "definitions.py").write_text(definitions.format(data=str(data)))
+    (root / "feature_store.yaml").write_text(
+        f"project: {project}\nprovider: local\nregistry: {data}/registry.db\n{online_store}"
+        "offline_store:\n  type: file\nentity_key_serialization_version: 3\n"
+    )
+    for name, frame in offline.items():
+        frame.to_parquet(data / name)
+    name = f"_user_repo_{uuid.uuid4().hex}"
+    spec = importlib.util.spec_from_file_location(name, root / "definitions.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # the transformations' module must stay importable for Feast's dill
+    spec.loader.exec_module(module)
+    kinds = (Entity, DataSource, FeatureView, OnDemandFeatureView, FeatureService)
+    fs = feast.FeatureStore(repo_path=str(root))
+    fs.apply([v for v in vars(module).values() if isinstance(v, kinds)])
+    return fs

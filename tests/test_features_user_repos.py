@@ -9,10 +9,8 @@ must return what `FeatureStore.get_online_features` returns, for known and unkno
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -21,6 +19,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import redis
+
+from conftest import user_feature_repo
 
 from scorestack.errors import FeatureError, FeatureServiceError, InputValidationError, RequestValidationError
 from scorestack.features.fetch import FeatureFetcher, FeatureStatus
@@ -163,19 +163,6 @@ USERS = [1, 2, 3]
 MERCHANTS = ["m-alpha", "m-beta", "m-gamma", "m-ünïcode"]
 
 
-def _load(repo: Path) -> list:
-    from feast import Entity, FeatureService, FeatureView, OnDemandFeatureView
-    from feast.data_source import DataSource
-
-    name = f"_user_repo_{uuid.uuid4().hex}"
-    spec = importlib.util.spec_from_file_location(name, repo / "definitions.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # the transformations' module must stay importable for Feast's dill
-    spec.loader.exec_module(module)
-    kinds = (Entity, DataSource, FeatureView, OnDemandFeatureView, FeatureService)
-    return [v for v in vars(module).values() if isinstance(v, kinds)]
-
-
 def _write_data(fs, data: Path) -> None:
     now = pd.Timestamp(datetime.now(timezone.utc).replace(microsecond=0) - timedelta(minutes=1))
     rng = np.random.default_rng(8)
@@ -221,22 +208,15 @@ def _write_data(fs, data: Path) -> None:
 def _make_repo(root: Path, online_store: str, project: str):
     import feast
 
-    data = root / "data"
-    data.mkdir(parents=True)
-    (root / "definitions.py").write_text(DEFINITIONS.format(data=str(data)))
-    (root / "feature_store.yaml").write_text(
-        f"project: {project}\nprovider: local\nregistry: {data}/registry.db\n{online_store}"
-        "offline_store:\n  type: file\nentity_key_serialization_version: 3\n"
-    )
     # The offline sources exist (numbers and ids); the online store gets everything below.
     ts = pd.Timestamp("2026-01-01", tz="UTC")
-    pd.DataFrame({"driver_id": DRIVERS, "conv_rate": 0.0, "event_timestamp": ts}).to_parquet(data / "drivers.parquet")
-    pd.DataFrame({"merchant_id": MERCHANTS, "merchant_risk": 0.0, "event_timestamp": ts}).to_parquet(data / "merchants.parquet")
-    pd.DataFrame({"user_id": USERS, "user_score": 0.0, "event_timestamp": ts}).to_parquet(data / "users.parquet")
-    pd.DataFrame({"user_id": USERS, "merchant_id": MERCHANTS[:3], "pair_txn_count": 0, "event_timestamp": ts}).to_parquet(data / "pairs.parquet")
-    fs = feast.FeatureStore(repo_path=str(root))
-    fs.apply(_load(root))
-    _write_data(fs, data)
+    fs = user_feature_repo(root, DEFINITIONS, online_store, project, {
+        "drivers.parquet": pd.DataFrame({"driver_id": DRIVERS, "conv_rate": 0.0, "event_timestamp": ts}),
+        "merchants.parquet": pd.DataFrame({"merchant_id": MERCHANTS, "merchant_risk": 0.0, "event_timestamp": ts}),
+        "users.parquet": pd.DataFrame({"user_id": USERS, "user_score": 0.0, "event_timestamp": ts}),
+        "pairs.parquet": pd.DataFrame({"user_id": USERS, "merchant_id": MERCHANTS[:3], "pair_txn_count": 0, "event_timestamp": ts}),
+    })
+    _write_data(fs, root / "data")
     return feast.FeatureStore(repo_path=str(root))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import user_feature_repo
 
 DEFINITIONS = '''
 from datetime import timedelta
@@ -59,36 +60,14 @@ WINDOWED = ["sales_10m", "revenue_10m", "refunds_2h"]
 SNAPSHOT = {"sales_10m": 99.0, "revenue_10m": 999.0, "refunds_2h": 9.0, "chargeback_rate_30d": 0.02}
 
 
-def _load(root: Path) -> list:
-    import importlib.util
-    import sys
-
-    from feast import Entity, FeatureService, FeatureView
-    from feast.data_source import DataSource
-
-    name = f"_user_velocity_repo_{uuid.uuid4().hex}"
-    spec = importlib.util.spec_from_file_location(name, root / "definitions.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return [v for v in vars(module).values() if isinstance(v, (Entity, DataSource, FeatureView, FeatureService))]
-
-
 def _make_repo(root: Path, online_store: str, project: str):
     import feast
 
-    data = root / "data"
-    data.mkdir(parents=True)
-    (root / "definitions.py").write_text(DEFINITIONS.format(data=str(data)))
-    (root / "feature_store.yaml").write_text(
-        f"project: {project}\nprovider: local\nregistry: {data}/registry.db\n{online_store}"
-        "offline_store:\n  type: file\nentity_key_serialization_version: 3\n"
-    )
     ts = pd.Timestamp("2026-01-01", tz="UTC")
-    pd.DataFrame({"merchant_id": ["m-1"], "chargeback_rate_30d": 0.0, "event_timestamp": ts}).to_parquet(data / "activity.parquet")
-    pd.DataFrame({"merchant_id": ["m-1"], "risk_tier": 0, "event_timestamp": ts}).to_parquet(data / "profile.parquet")
-    fs = feast.FeatureStore(repo_path=str(root))
-    fs.apply(_load(root))
+    fs = user_feature_repo(root, DEFINITIONS, online_store, project, {
+        "activity.parquet": pd.DataFrame({"merchant_id": ["m-1"], "chargeback_rate_30d": 0.0, "event_timestamp": ts}),
+        "profile.parquet": pd.DataFrame({"merchant_id": ["m-1"], "risk_tier": 0, "event_timestamp": ts}),
+    })
     # The batch job's snapshot of the activity view (what Feast's SDK and windows=False read).
     now = pd.Timestamp(datetime.now(timezone.utc).replace(microsecond=0) - timedelta(minutes=1))
     fs.write_to_online_store("merchant_activity", pd.DataFrame([{"merchant_id": "m-1", **SNAPSHOT, "event_timestamp": now}]))
