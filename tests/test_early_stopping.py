@@ -35,7 +35,7 @@ def _spec(d, name: str, source: str, fmt: str, extra: str = "") -> str:
     path = d / f"{name}.yaml"
     path.write_text(
         f"name: {name}\nsource: {{path: {source}, format: {fmt}{trusted}{extra}}}\ntask: binary\n"
-        f"inputs: {{features: [{', '.join(FEATURES)}]}}\nholdout: holdout.npz\nformats: [trees, onnx]\n"
+        f"inputs: {{features: [{', '.join(FEATURES)}]}}\nholdout: holdout.npz\nformats: [trees]\n"
     )
     return str(path)
 
