@@ -198,10 +198,15 @@ end
 return out
 """
 
-# Events per script call: a call holds Redis for its whole batch (~10 us an event), so a read
+# Events per script call: a call holds Redis for its whole batch (~12 us an event), so a read
 # arriving behind it waits at most about this many events' work.
 ADD_BATCH = 64
 ADD_OUTCOMES = {0: "duplicate", 1: "added", 2: "added", 3: "expired"}
+
+
+def outcomes_of(replies: Sequence[Sequence[int]]) -> list[str]:
+    """Each event's outcome from the add script's replies (one list of codes per call)."""
+    return [ADD_OUTCOMES[int(r)] for reply in replies for r in reply]
 
 
 class RedisVelocity:
@@ -281,18 +286,20 @@ class RedisVelocity:
     def add_many(self, items: Sequence[tuple[Any, str, Mapping[str, Any], float | None]]) -> list[str]:
         """Several adds in one round trip, ADD_BATCH events per script call (each event added at most
         once, whatever else its batch holds)."""
-        now = self.clock()
-        chunks = [items[i : i + ADD_BATCH] for i in range(0, len(items), ADD_BATCH)]
-        if len(chunks) == 1:
-            keys, args = self.add_call(chunks[0], now)
-            replies = [self._add(keys=keys, args=args)]
+        calls = self.add_calls(items)
+        if len(calls) == 1:
+            replies = [self._add(keys=calls[0][0], args=calls[0][1])]
         else:
             pipe = self.client.pipeline(transaction=False)
-            for chunk in chunks:
-                keys, args = self.add_call(chunk, now)
+            for keys, args in calls:
                 self._add(keys=keys, args=args, client=pipe)
             replies = pipe.execute()
-        return [ADD_OUTCOMES[int(r)] for reply in replies for r in reply]
+        return outcomes_of(replies)
+
+    def add_calls(self, items: Sequence[tuple[Any, str, Mapping[str, Any], float | None]]) -> list[tuple[list, list]]:
+        """The add script's (keys, arguments) for `items`, ADD_BATCH events a call, all at this clock's now."""
+        now = self.clock()
+        return [self.add_call(items[i : i + ADD_BATCH], now) for i in range(0, len(items), ADD_BATCH)]
 
     def read_command(self, entity: Any) -> bytes:
         """The read of `entity`'s counters as one packed command (for a pipeline; `sums_from` its reply)."""
@@ -638,7 +645,6 @@ class AsyncVelocityWriter:
             self._wake.set()
         return True
 
-
     async def _run(self) -> None:
         while True:
             now = time.monotonic()
@@ -706,11 +712,8 @@ class AsyncVelocityWriter:
         where Redis does not know it: a restarted server)."""
         import hiredis
 
-        counters, now = self.counters, self.counters.clock()
-        calls = []
-        for i in range(0, len(items), ADD_BATCH):
-            keys, args = counters.add_call(items[i : i + ADD_BATCH], now)
-            calls.append(hiredis.pack_command(("EVALSHA", counters.add_sha, len(keys), *keys, *args)))
+        sha = self.counters.add_sha
+        calls = [hiredis.pack_command(("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in self.counters.add_calls(items)]
         async with asyncio.timeout(self.timeout_s):
             replies = await self._resp.request(b"".join(calls), len(calls))
             if any(isinstance(r, Exception) and "NOSCRIPT" in str(r) for r in replies):
@@ -719,7 +722,7 @@ class AsyncVelocityWriter:
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        return [ADD_OUTCOMES[int(r)] for reply in replies for r in reply]
+        return outcomes_of(replies)
 
     def _settle(self, outcomes: list[str]) -> None:
         for outcome in set(outcomes):
@@ -745,8 +748,6 @@ class AsyncVelocityWriter:
                 self._task.cancel()
         if self._resp is not None:
             await self._resp.close()
-
-
 
 
 def read_windows(counters_by_view: Mapping[str, Any], views: Mapping[str, Any], wanted: Mapping[str, Sequence[Any]], out: dict) -> None:
