@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as aiogrpc
-from tritonclient.grpc import InferResult as GrpcInferResult
 from tritonclient.grpc import service_pb2
 from tritonclient.grpc._utils import get_error_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from scorestack import limits
 from scorestack.client.admission import AdaptiveLimit, Gate, gate_for, policy_of
+from scorestack.client.grpc_wire import SERIALIZED_TYPES as _SERIALIZED_TYPES
+from scorestack.client.grpc_wire import GrpcWire, response_arrays
 from scorestack.client.http_wire import HttpWire
 from scorestack.errors import InferenceError, OverloadedError, RequestValidationError, TlsError
 from scorestack.serve.security import AdminKey, ClientTls, diagnose_tls
@@ -68,30 +69,6 @@ class InferResult:
     outputs: dict[str, np.ndarray]
     client_ms: float  # request sent -> response decoded, including retries
     attempts: int = 1
-
-
-# Tensor types whose wire form is not the array's raw bytes: these go through tritonclient's own path.
-_SERIALIZED_TYPES = ("BYTES", "BF16")
-
-
-def _response_arrays(response, wanted: Sequence[str], dtypes: Mapping[str, tuple[str, np.dtype]] | None = None) -> dict[str, np.ndarray | None]:
-    """The wanted outputs of a ModelInferResponse as numpy arrays (None where absent), as
-    tritonclient's InferResult.as_numpy reads them. `dtypes` (name -> (datatype, dtype), from the
-    model's metadata) saves the per-call type lookup."""
-    out: dict[str, np.ndarray | None] = dict.fromkeys(wanted)
-    raw = response.raw_output_contents
-    for index, tensor in enumerate(response.outputs):
-        name = tensor.name
-        if name not in out:
-            continue
-        datatype = tensor.datatype
-        if datatype in _SERIALIZED_TYPES or index >= len(raw):
-            out[name] = GrpcInferResult(response).as_numpy(name)
-            continue
-        known = dtypes.get(name) if dtypes else None
-        dtype = known[1] if known is not None and known[0] == datatype else triton_to_np_dtype(datatype)
-        out[name] = np.frombuffer(raw[index], dtype=dtype).reshape(tuple(tensor.shape))
-    return out
 
 
 @dataclass(frozen=True)
@@ -163,6 +140,11 @@ class TritonClient:
     from Python at concurrency 1) while metadata, readiness and admin calls stay on gRPC. Plaintext
     only: Triton's HTTP endpoint has no TLS, so it cannot be combined with `tls`.
 
+    `lean_grpc` (the default) sends `infer` over the same gRPC protocol to the same port through
+    scorestack's own HTTP/2 framing (client/grpc_wire.py: the request built once per model and
+    shapes, one connection, no grpc.aio call objects); False keeps grpc.aio for every call. TLS
+    channels always use grpc.aio. Metadata, readiness and admin calls use grpc.aio in every case.
+
     `in_process` (a started scorestack.serve.InProcessTriton) sends `infer` and the metadata reads to
     Triton running inside this process through its C API: no network hop at all. `url` may then be
     None; with a `url`, admin and readiness calls still go there. A started
@@ -182,6 +164,7 @@ class TritonClient:
         max_in_flight: int | str | AdaptiveLimit | None = None,
         http_url: str | None = None,
         in_process: "InProcessTriton | EmbeddedModels | None" = None,
+        lean_grpc: bool = True,
     ) -> None:
         if url is None and in_process is None:
             raise ValueError("url: give Triton's gRPC address (host:port), or in_process=InProcessTriton(...)")
@@ -193,8 +176,15 @@ class TritonClient:
         self.http_url = http_url
         self._in_process = in_process
         self._http = HttpWire(http_url) if http_url else None
-        # infer's transport besides gRPC: (model, [(name, datatype, array)], outputs, timeout_s) -> {output: array}
-        self._lean_call = self._http.infer if self._http else (in_process.infer_within if in_process else None)
+        self._wire = GrpcWire(url) if url and lean_grpc and tls is None and not http_url and in_process is None else None
+        # infer's lean transport: (model, [(name, datatype, array)], outputs, timeout_s) -> {output: array}
+        if self._http is not None:
+            self._lean_call = self._http.infer
+        elif in_process is not None:
+            self._lean_call = in_process.infer_within
+        else:
+            self._lean_call = self._wire.infer if self._wire is not None else None
+        self.transport = "http" if self._http else ("in-process" if in_process is not None else ("lean-grpc" if self._wire else "grpcio"))
         self.max_in_flight = policy_of(max_in_flight)
         self._gates: dict[str, Gate] = {}
         self.tls = tls
@@ -220,6 +210,8 @@ class TritonClient:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
+        if self._wire is not None:
+            await self._wire.close()
         if self._client is not None:
             await self._client.close()
 
@@ -361,7 +353,8 @@ class TritonClient:
         wanted = list(outputs) if outputs is not None else list(wire.output_names)
         attempts = 0
         if self._lean_call is not None and wire.lean:
-            # Triton's HTTP endpoint or the in-process server: one call signature, each bounding the call by itself.
+            # The lean gRPC wire, Triton's HTTP endpoint or the in-process server: one call signature,
+            # each bounding the call by itself.
             arrays = [(name, datatype, np.ascontiguousarray(inputs[name])) for name, datatype in wire.inputs]
 
             async def call(timeout: float):
@@ -395,7 +388,7 @@ class TritonClient:
             # gRPC's own deadline bounds the call, connecting included (test_triton_paused_...):
             # no asyncio timeout around it (one per call cost ~35 µs at concurrency 1).
             response = await self._retrying(model, deadline, call, guard=False)
-            out = _response_arrays(response, wanted, wire.outputs)
+            out = response_arrays(response, wanted, wire.outputs)
         else:
             request_inputs = []
             for t in info.inputs:

@@ -195,6 +195,25 @@ def test_the_lean_http_transport_scores_what_grpc_scores(loop, services, triton,
         loop.run_until_complete(lean.close())
 
 
+def test_grpc_aio_scores_what_the_lean_grpc_wire_scores(loop, services, triton):
+    """The default client speaks gRPC through scorestack's own HTTP/2 framing (client/grpc_wire.py);
+    TritonClient(lean_grpc=False) keeps grpc.aio: the same fraud vectors, probabilities and ranking."""
+    client = services[0]
+    assert client.transport == "lean-grpc"
+
+    async def make():
+        return TritonClient(triton.grpc_url, deadline_s=2.0, lean_grpc=False)
+
+    aio = loop.run_until_complete(make())
+    try:
+        assert aio.transport == "grpcio"
+        _answers_like_grpc(loop, services, aio, users=[3, 11, 120], rank_user=9, context=2, concurrent=32, seed=8)
+        wire = client._wire._conn
+        assert wire is not None and not wire.closed and not wire.streams  # one connection, every call answered
+    finally:
+        loop.run_until_complete(aio.close())
+
+
 def test_the_http_pool_bound_and_its_errors(loop, triton, tmp_path):
     """At most max_connections are open (a call beyond waits for one); Triton's own error comes back with its
     message; an endpoint that is not there is UNAVAILABLE (retried by the client within the deadline)."""
@@ -792,10 +811,11 @@ def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, 
     server = LocalTriton(repository, server_env=server_environment, models=["fraud_xgb"], **ports).start()
     client, fetcher = _open(loop, server.grpc_url, feature_repo, deadline_s=0.5, timeout_s=0.5)
     lean = loop.run_until_complete(_lean(server, deadline_s=0.5))  # the lean HTTP transport: the same faults, the same answers
-    services = [FraudService(client, fetcher, model="fraud_xgb"), FraudService(lean, fetcher, model="fraud_xgb")]
+    aio = loop.run_until_complete(_grpc_aio(server, deadline_s=0.5))  # and grpc.aio beside the default lean gRPC wire
+    services = [FraudService(c, fetcher, model="fraud_xgb") for c in (client, lean, aio)]
     try:
         before = [loop.run_until_complete(fraud.score(_transaction(2, 20))).probability for fraud in services]
-        assert before[0] == before[1]
+        assert before[0] == before[1] == before[2]
         server.stop()
         for fraud in services:
             start = time.monotonic()
@@ -814,6 +834,11 @@ def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, 
         loop.run_until_complete(fetcher.close())
         loop.run_until_complete(client.close())
         loop.run_until_complete(lean.close())
+        loop.run_until_complete(aio.close())
+
+
+async def _grpc_aio(server, *, deadline_s: float) -> TritonClient:
+    return TritonClient(server.grpc_url, deadline_s=deadline_s, lean_grpc=False)
 
 
 def _not_all_stopped(pid: int) -> str | None:
@@ -840,16 +865,18 @@ def test_triton_paused_answers_within_the_deadline(loop, compiled_demo, server_e
 
     client = loop.run_until_complete(make())
     lean = loop.run_until_complete(_lean(server, deadline_s=0.4))
+    aio = loop.run_until_complete(_grpc_aio(server, deadline_s=0.4))
     x = np.zeros((1, len(schema.FRAUD_FEATURES)), dtype=np.float32)
     try:
         before = loop.run_until_complete(client.infer("fraud_xgb", {schema.INPUT_TENSOR: x})).outputs
         assert loop.run_until_complete(lean.infer("fraud_xgb", {schema.INPUT_TENSOR: x})).outputs == before
+        assert loop.run_until_complete(aio.infer("fraud_xgb", {schema.INPUT_TENSOR: x})).outputs == before
         os.kill(server.process.pid, signal.SIGSTOP)
         # A signal is delivered asynchronously: on a busy machine a Triton thread already running may answer one
         # more call before it stops (seen once in a parallel run). Wait until every thread is stopped.
         wait_until(lambda: _not_all_stopped(server.process.pid), timeout_s=5.0, what="tritonserver stopped by SIGSTOP")
         try:
-            for c in (client, lean):  # gRPC's own deadline; the HTTP transport's timer
+            for c in (client, lean, aio):  # the lean wires' timers; grpc.aio's own deadline
                 for deadline_s in (0.2, 0.4):
                     start = time.monotonic()
                     with pytest.raises(InferenceError, match="fraud_xgb.*deadline exceeded"):
@@ -857,12 +884,13 @@ def test_triton_paused_answers_within_the_deadline(loop, compiled_demo, server_e
                     assert time.monotonic() - start < deadline_s + 2.0  # generous: the point is no hang
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
-        for c in (client, lean):
+        for c in (client, lean, aio):
             after = loop.run_until_complete(c.infer("fraud_xgb", {schema.INPUT_TENSOR: x}, deadline_s=5.0)).outputs
             np.testing.assert_array_equal(after[schema.OUTPUT_TENSORS["binary"]], before[schema.OUTPUT_TENSORS["binary"]])
     finally:
         loop.run_until_complete(client.close())
         loop.run_until_complete(lean.close())
+        loop.run_until_complete(aio.close())
         server.stop()
 
 
