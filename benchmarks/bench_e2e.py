@@ -38,13 +38,14 @@ from scorestack.errors import OverloadedError
 from scorestack.features.fetch import FeatureFetcher
 from scorestack.serve import EmbeddedModels, InProcessTriton, LocalTriton
 
-OURS = ("scorestack", "scorestack_http", "scorestack_inprocess", "scorestack_inprocess_spin", "scorestack_embedded", "scorestack_embedded_spin")
+OURS = ("scorestack", "scorestack_grpcio", "scorestack_http", "scorestack_inprocess", "scorestack_inprocess_spin", "scorestack_embedded", "scorestack_embedded_spin")
 SYSTEMS = OURS + ("handwritten_sync", "handwritten_async", "handwritten_async_spin")
 SPIN_US = 50  # the _spin services run on scorestack.client.eventloop's spinning loop (polls this long before it sleeps)
-PHASED = ("scorestack", "scorestack_http")  # through the local server, whose statistics give the queue and compute phases
-VIA = {"scorestack": "gRPC", "scorestack_http": "lean HTTP", "scorestack_inprocess": "in-process Triton", "scorestack_inprocess_spin": "in-process Triton, spinning loop", "scorestack_embedded": "embedded runtime", "scorestack_embedded_spin": "embedded runtime, spinning loop"}
+PHASED = ("scorestack", "scorestack_grpcio", "scorestack_http")  # through the local server, whose statistics give the queue and compute phases
+VIA = {"scorestack": "gRPC", "scorestack_grpcio": "gRPC through grpc.aio", "scorestack_http": "lean HTTP", "scorestack_inprocess": "in-process Triton", "scorestack_inprocess_spin": "in-process Triton, spinning loop", "scorestack_embedded": "embedded runtime", "scorestack_embedded_spin": "embedded runtime, spinning loop"}
 LABELS = {
-    "scorestack": "scorestack fraud path (direct Redis read + Triton over gRPC)",
+    "scorestack": "scorestack fraud path (direct Redis read + Triton over gRPC, scorestack's lean gRPC wire: the default)",
+    "scorestack_grpcio": "scorestack fraud path, grpc.aio client (direct Redis read + Triton over gRPC, TritonClient(lean_grpc=False))",
     "scorestack_http": "scorestack fraud path, lean HTTP transport (direct Redis read + Triton over HTTP/1.1, binary tensors)",
     "scorestack_inprocess": "scorestack fraud path, Triton in the service's process (direct Redis read + Triton's C API)",
     "scorestack_embedded": "scorestack fraud path, the model on the caller's thread (direct Redis read + EmbeddedModels, no Triton)",
@@ -81,7 +82,8 @@ class Service:
             if name in ("scorestack_inprocess", "scorestack_embedded"):
                 self.ip = (InProcessTriton if name == "scorestack_inprocess" else EmbeddedModels)(Path(s["repository"]), models=["fraud_xgb", "ranking_xgb"]).__enter__()
             self.triton = await TritonClient(None if self.ip else s["grpc_url"], deadline_s=5.0, in_process=self.ip,
-                                             http_url=s["http_url"] if name == "scorestack_http" else None).__aenter__()
+                                             http_url=s["http_url"] if name == "scorestack_http" else None,
+                                             lean_grpc=name != "scorestack_grpcio").__aenter__()
             self.fetcher = await FeatureFetcher.from_repo(Path(s["repo"]), timeout_s=0.05).__aenter__()
             self.fraud, self.ranking = FraudService(self.triton, self.fetcher), RankingService(self.triton, self.fetcher, max_candidates=1000)
         else:

@@ -26,9 +26,9 @@ _PRESENT, _MISSING, _STALE, _DEFAULTED = (int(s) for s in (FeatureStatus.PRESENT
 def _one_entity(spec: ViewSpec, row: Any, now: float, metrics: FetchMetrics) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, list]]:
     """view_matrix for a single entity (a fraud request's user): the same result without stacking."""
     width = len(spec.features)
-    defaults = spec.defaults.astype(np.float64)
     raw: dict[str, list] = {}
     if row is NOT_READ or row is None:
+        defaults = spec.defaults.astype(np.float64)
         code = _DEFAULTED if row is NOT_READ else _MISSING
         values, status, row_status = defaults[None, :], np.full((1, width), code, dtype=np.int8), np.array([code], dtype=np.int8)
         if spec.raw_features:
@@ -40,16 +40,22 @@ def _one_entity(spec: ViewSpec, row: Any, now: float, metrics: FetchMetrics) -> 
         return values, status, row_status, raw
     have = np.asarray(row.found, dtype=bool)
     stale = spec.ttl_s > 0 and now - row.event_ts > spec.ttl_s
-    values = np.where(have, row.values, defaults)[None, :]
-    status = np.where(have, np.int8(_STALE if stale else _PRESENT), np.int8(_MISSING)).astype(np.int8)[None, :]
+    code = _STALE if stale else _PRESENT
+    n_found = int(np.count_nonzero(have))
+    if n_found == width:  # the usual case: every value stored (two numpy calls instead of five)
+        values = row.values.reshape(1, width)
+        status = np.full((1, width), code, dtype=np.int8)
+    else:
+        values = np.where(have, row.values, spec.defaults.astype(np.float64))[None, :]
+        status = np.full((1, width), _MISSING, dtype=np.int8)
+        status[0, have] = code
     if spec.raw_features:
         raw = {feature: [row.raw[j]] for j, feature in enumerate(spec.raw_features)}
-    n_found = int(np.count_nonzero(have))
     if n_found < width:
         metrics.child(metrics.defaults, spec.name, "missing").inc(width - n_found)
     if stale and n_found:
         metrics.child(metrics.stale, spec.name).inc(n_found)
-    return values, status, np.array([_STALE if stale else _PRESENT], dtype=np.int8), raw
+    return values, status, np.array([code], dtype=np.int8), raw
 
 
 def view_matrix(

@@ -443,7 +443,10 @@ class DirectRedisBackend(Backend):
                 raw = [
                     tuple(decode_python(c) for c in reply[n_values + raw_column : n_values + raw_column + raw_width]) for reply in block
                 ] if raw_width else [()] * n
-                exists = (view_found.any(axis=1) | np.array([any(v is not None for v in r) for r in raw], dtype=bool)).tolist()
+                exists = view_found.any(axis=1)
+                if raw_width:
+                    exists |= np.array([any(v is not None for v in r) for r in raw], dtype=bool)
+                exists = exists.tolist()
                 ts_index = n_values + n_raw + k
                 rows_by_id: dict[Entity, Row | None] = {
                     entity: Row(view_values[r], view_found[r], decode_timestamp(block[r][ts_index]), raw[r]) if exists[r] else None

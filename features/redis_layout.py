@@ -26,6 +26,8 @@ _FLOAT_TAG = _FLOAT_VALUE[0]
 _FLOAT_LEN = len(_FLOAT_VALUE)
 assert _FLOAT_LEN == 5, "feast.types.Value float_val is expected to serialize to 5 bytes"
 _ABSENT = bytes(_FLOAT_LEN)  # tag 0 is never a valid protobuf tag: marks "no value"
+_TAG_BYTE = bytes([_FLOAT_TAG])
+_FLOAT_CELL = np.dtype([("tag", "u1"), ("value", "<f4")])  # one serialized float Value: its tag, then the float
 
 
 class Int64KeyEncoder:
@@ -140,12 +142,14 @@ def _value_to_float(raw: bytes) -> float:
 def decode_values(cells: Sequence[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
     """Decode serialized Values to (float64 values, found mask); None, null or non-numeric cells are not found."""
     n = len(cells)
-    joined = b"".join(_ABSENT if c is None else c for c in cells)
+    joined = b"".join([_ABSENT if c is None else c for c in cells])
     if len(joined) == n * _FLOAT_LEN:
-        raw = np.frombuffer(joined, dtype=np.uint8).reshape(n, _FLOAT_LEN)
-        if np.all((raw[:, 0] == _FLOAT_TAG) | (raw[:, 0] == 0)):
-            values = np.ascontiguousarray(raw[:, 1:]).view("<f4").reshape(n).astype(np.float64)
-            return values, raw[:, 0] == _FLOAT_TAG
+        # Every cell a float or absent: its first byte is the float tag or 0. Checked on the bytes
+        # (a numpy comparison and reduction cost ~35 µs a fetch here, the bytes ~1 µs).
+        tags = joined[::_FLOAT_LEN]
+        if not tags.replace(_TAG_BYTE, b"").replace(b"\x00", b""):
+            values = np.frombuffer(joined, dtype=_FLOAT_CELL)["value"].astype(np.float64)
+            return values, np.frombuffer(tags, dtype=np.uint8) == _FLOAT_TAG
     # Other value types (double, int64, null): the slow, general path.
     values = np.array([math.nan if c is None else _value_to_float(c) for c in cells], dtype=np.float64)
     found = np.array([c is not None for c in cells], dtype=bool) & ~np.isnan(values)
