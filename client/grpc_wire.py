@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 from urllib.parse import unquote
 
 import numpy as np
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 UNAVAILABLE = "StatusCode.UNAVAILABLE"
@@ -60,8 +60,6 @@ def response_arrays(response, wanted: Sequence[str], dtypes: Mapping[str, tuple[
     """The wanted outputs of a ModelInferResponse as numpy arrays (None where absent), as
     tritonclient's InferResult.as_numpy reads them. `dtypes` (name -> (datatype, dtype), from the
     model's metadata) saves the per-call type lookup."""
-    from tritonclient.grpc import InferResult
-
     out: dict[str, np.ndarray | None] = dict.fromkeys(wanted)
     raw = response.raw_output_contents
     for index, tensor in enumerate(response.outputs):
@@ -485,6 +483,8 @@ class GrpcWire:
             return conn
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
+            # A connect whose every caller timed out still ends; its error is then nobody's to report.
+            self._connecting.add_done_callback(lambda f: f.cancelled() or f.exception())
         connecting = self._connecting
         try:
             return await asyncio.wait_for(asyncio.shield(connecting), timeout)
@@ -496,8 +496,9 @@ class GrpcWire:
             old = self._conn
             _, conn = await asyncio.get_running_loop().create_connection(lambda: _Connection(self.address), self.host, self.port)
             self._conn = conn
-            if old is not None and not old.streams:
-                old.close()
+            if old is not None:
+                old.going_away = True  # its calls in flight finish there; then it closes
+                old._close_if_idle()
             return conn
         except OSError as exc:
             raise _error("UNAVAILABLE", f"failed to connect to Triton's gRPC endpoint at {self.address}: {exc}") from None
@@ -523,6 +524,8 @@ class GrpcWire:
             conn = await self._connection(timeout)
         if len(conn.streams) >= conn.max_streams:
             await asyncio.wait_for(conn.stream_slot(), max(deadline - loop.time(), 1e-4))
+        if conn.closed:
+            raise _error("UNAVAILABLE", f"connection to Triton at {self.address} closed before the call was sent")
         future = loop.create_future()
         sid, stream = conn.open_stream(future)
         timer = loop.call_later(max(deadline - loop.time(), 1e-4), self._expire, conn, sid, future, timeout)

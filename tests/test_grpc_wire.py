@@ -204,7 +204,8 @@ def test_no_server_and_a_server_that_is_not_grpc_end_within_the_deadline(loop):
         await reader.read(100)
         writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(30)
+        await reader.read()  # until the client hangs up
+        writer.close()
 
     async def run():
         dead = GrpcWire(f"127.0.0.1:{free_port()}")
@@ -228,6 +229,8 @@ def test_no_server_and_a_server_that_is_not_grpc_end_within_the_deadline(loop):
         assert time.monotonic() - start < 5.0
         await wire.close()
         srv.close()
+        await srv.wait_closed()
+        await asyncio.sleep(0.05)  # the handler sees the hang-up and ends
 
     loop.run_until_complete(run())
 
