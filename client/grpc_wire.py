@@ -3,8 +3,8 @@
 grpc.aio costs ~330 µs of client CPU per call at concurrency 1 (its call object, the completion
 queue's poller thread handing the result to the event loop, metadata objects); the wire itself is a
 few hundred bytes. This transport speaks the same protocol to the same gRPC port (h2c, plaintext)
-from an `asyncio.Protocol`: the request's header block is built once per model and the
-`ModelInferRequest` bytes once per model and input shapes, with only the queue timeout and the
+from an `asyncio.Protocol`: the request's header block is built once (every call is ModelInfer to
+the same authority) and the `ModelInferRequest` bytes once per model and input shapes, with only the queue timeout and the
 tensors' bytes filled in per call; HEADERS and DATA go out in one write; the reply is parsed in
 `data_received` and resolves one future.
 
@@ -28,7 +28,6 @@ import numpy as np
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-UNAVAILABLE = "StatusCode.UNAVAILABLE"
 INFER_PATH = b"/inference.GRPCInferenceService/ModelInfer"
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _MAX_WINDOW = 2**31 - 1
@@ -168,14 +167,13 @@ def _error(code: str, message: str) -> InferenceServerException:
 
 
 class _Stream:
-    __slots__ = ("future", "status", "data", "send_window", "sent")
+    __slots__ = ("future", "status", "data", "send_window")
 
     def __init__(self, future: asyncio.Future, send_window: int) -> None:
         self.future = future
         self.status: int | None = None  # :status of the response headers, once they came
         self.data = bytearray()
         self.send_window = send_window
-        self.sent = False  # the request's last DATA frame is out
 
 
 class _Connection(asyncio.Protocol):
@@ -430,7 +428,6 @@ class _Connection(asyncio.Protocol):
             self.send_window -= n
             s.send_window -= n
             self.transport.write(frame(_HEADERS, _END_HEADERS, sid, headers) + frame(_DATA, _END_STREAM, sid, body))
-            s.sent = True
             return
         if len(headers) > self.max_frame:
             raise _error("INTERNAL", f"request headers of {len(headers)} bytes exceed the server's frame size {self.max_frame}")
@@ -451,7 +448,6 @@ class _Connection(asyncio.Protocol):
             last = offset + room == n
             self.transport.write(frame(_DATA, _END_STREAM if last else 0, sid, bytes(view[offset: offset + room])))
             offset += room
-        s.sent = True
 
     async def stream_slot(self) -> None:
         """Wait while the server's limit of concurrent streams is reached."""
@@ -470,12 +466,12 @@ class GrpcWire:
         if not host or not port.isdigit():
             raise ValueError(f"url: {address!r} is not host:port (e.g. 127.0.0.1:8001, Triton's gRPC port)")
         self.address, self.host, self.port = address, host.strip("[]"), int(port)
-        self._authority = address.encode()
         self._conn: _Connection | None = None
         self._connecting: asyncio.Future | None = None
-        self._headers: dict[str, bytes] = {}  # model -> header block without grpc-timeout
+        self._headers = request_headers(address.encode())  # without grpc-timeout, the one field that changes
         self._heads: dict[tuple, bytes] = {}  # (model, input names/types/shapes, outputs) -> request head
-        self._timeout_name = _literal(b"grpc-timeout", b"")[:-1]  # the field's bytes up to its value's length
+        # grpc-timeout's bytes up to its value's length; the value (at most 9 bytes) is one length byte and itself.
+        self._timeout_name = _literal(b"grpc-timeout", b"")[:-1]
 
     async def _connection(self, timeout: float) -> _Connection:
         conn = self._conn
@@ -513,9 +509,8 @@ class GrpcWire:
         head = self._heads.get(key)
         if head is None:
             head = self._heads[key] = request_head(model, [(n, d, a.shape) for n, d, a in inputs], outputs)
-            self._headers.setdefault(model, request_headers(self._authority))
         value = grpc_timeout(timeout)
-        headers = self._headers[model] + self._timeout_name + bytes([len(value)]) + value
+        headers = self._headers + self._timeout_name + bytes([len(value)]) + value
         message = b"".join([head, timeout_parameter(timeout), *(raw_contents(a.tobytes()) for _, _, a in inputs)])
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

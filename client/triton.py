@@ -142,7 +142,7 @@ class TritonClient:
 
     `lean_grpc` (the default) sends `infer` over the same gRPC protocol to the same port through
     scorestack's own HTTP/2 framing (client/grpc_wire.py: the request built once per model and
-    shapes, one connection, no grpc.aio call objects); False keeps grpc.aio for every call. TLS
+    input shapes, one connection, no grpc.aio call objects); False keeps grpc.aio for every call. TLS
     channels always use grpc.aio. Metadata, readiness and admin calls use grpc.aio in every case.
 
     `in_process` (a started scorestack.serve.InProcessTriton) sends `infer` and the metadata reads to

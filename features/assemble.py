@@ -42,7 +42,9 @@ def _one_entity(spec: ViewSpec, row: Any, now: float, metrics: FetchMetrics) -> 
     stale = spec.ttl_s > 0 and now - row.event_ts > spec.ttl_s
     code = _STALE if stale else _PRESENT
     n_found = int(np.count_nonzero(have))
-    if n_found == width:  # the usual case: every value stored (two numpy calls instead of five)
+    if n_found == width:  # the usual case, every value stored: no np.where
+        # A view of the row's own array, which the fetcher may keep in its cache: read it, never write it
+        # (assemble copies it into the service's matrix; on-demand inputs are built as new lists).
         values = row.values.reshape(1, width)
         status = np.full((1, width), code, dtype=np.int8)
     else:

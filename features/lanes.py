@@ -72,7 +72,7 @@ class Lane:
 
     def _set_breaker_gauge(self) -> None:
         state = int(self.breaker.state)
-        if state != self._gauged:  # set on a change only: twice a read cost ~10 µs at concurrency 1
+        if state != self._gauged:  # set on a change only: a Gauge.set is ~3 µs (timeit), twice a read
             self._gauged = state
             self.metrics.child(self.metrics.breaker_state, self.backend.name).set(state)
 

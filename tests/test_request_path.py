@@ -183,6 +183,10 @@ async def _lean(server, *, deadline_s: float) -> TritonClient:
     return TritonClient(server.grpc_url, deadline_s=deadline_s, http_url=server.http_url)
 
 
+async def _grpc_aio(server, *, deadline_s: float) -> TritonClient:
+    return TritonClient(server.grpc_url, deadline_s=deadline_s, lean_grpc=False)
+
+
 def test_the_lean_http_transport_scores_what_grpc_scores(loop, services, triton, feature_repo):
     """TritonClient(http_url=...) sends inference over Triton's HTTP endpoint (binary tensors): the same
     fraud probabilities and the same ranking as over gRPC, from the same server."""
@@ -201,10 +205,7 @@ def test_grpc_aio_scores_what_the_lean_grpc_wire_scores(loop, services, triton):
     client = services[0]
     assert client.transport == "lean-grpc"
 
-    async def make():
-        return TritonClient(triton.grpc_url, deadline_s=2.0, lean_grpc=False)
-
-    aio = loop.run_until_complete(make())
+    aio = loop.run_until_complete(_grpc_aio(triton, deadline_s=2.0))
     try:
         assert aio.transport == "grpcio"
         _answers_like_grpc(loop, services, aio, users=[3, 11, 120], rank_user=9, context=2, concurrent=32, seed=8)
@@ -835,10 +836,6 @@ def test_triton_stopped_then_restarted(loop, compiled_demo, server_environment, 
         loop.run_until_complete(client.close())
         loop.run_until_complete(lean.close())
         loop.run_until_complete(aio.close())
-
-
-async def _grpc_aio(server, *, deadline_s: float) -> TritonClient:
-    return TritonClient(server.grpc_url, deadline_s=deadline_s, lean_grpc=False)
 
 
 def _not_all_stopped(pid: int) -> str | None:
