@@ -47,6 +47,20 @@ class LocalTriton(_server.LocalTriton):
         super().__init__(*args, exit_timeout_s=exit_timeout_s, **kwargs)
 
 
+def settled_statistics(client, model: str, done, timeout_s: float = 10.0, **kwargs):
+    """Triton's statistics once `done(stats)` holds. The Python backend reports an execution to the
+    core after `execute` returns, which can be after the client already has its response (seen in
+    CI: 9 of 10 executions counted right after the 10th reply): poll, bounded, instead of reading once."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.get_inference_statistics(model, client_timeout=5, **kwargs)
+        if done(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
 def require(reason: str) -> None:
     """A required service is missing: fail, saying what is missing and how to provide it."""
     pytest.fail(f"required service missing: {reason}")

@@ -22,7 +22,7 @@ import xgboost as xgb
 import yaml
 
 from scorestack.compile import compile_model
-from conftest import LocalTriton
+from conftest import LocalTriton, settled_statistics
 from scorestack.triton_config import load_config
 
 pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
@@ -141,7 +141,8 @@ def test_a_recompile_from_a_served_models_batch_profile(compiled, tmp_path):
                 _infer(client, "disp_binary", _rows(holdout, 1))
             for _ in range(10):
                 _infer(client, "disp_binary", _rows(holdout, 300))
-            stats = client.get_inference_statistics("disp_binary", as_json=True)
+            counted = lambda s: sum(int(b["compute_infer"]["count"]) for b in s["model_stats"][0].get("batch_stats") or [])
+            stats = settled_statistics(client, "disp_binary", lambda s: counted(s) >= counted(before) + 50, as_json=True)
         finally:
             client.close()
     executed = {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats["model_stats"][0]["batch_stats"]}

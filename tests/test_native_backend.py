@@ -23,7 +23,7 @@ import xgboost as xgb
 import yaml
 
 from scorestack.compile import compile_model
-from conftest import LocalTriton
+from conftest import LocalTriton, settled_statistics
 from scorestack.serve import native
 from scorestack.triton_config import load_config
 
@@ -181,7 +181,10 @@ def test_concurrent_requests_of_mixed_sizes_are_joined_and_split_exactly(reposit
             for out, lo, n in zip(outs, starts, sizes):
                 assert out.shape == (n, 1), (name, n)
                 np.testing.assert_allclose(out[:, 0], _want(booster, X[lo : lo + n]), rtol=0, atol=1e-5, err_msg=name)
-            after = stats_client.get_inference_statistics(name, as_json=True)["model_stats"][0]
+            rows_before = int(before.get("inference_count", 0))
+            after = settled_statistics(
+                stats_client, name, lambda s, want=rows_before + sum(sizes): int(s["model_stats"][0].get("inference_count", 0)) >= want, as_json=True
+            )["model_stats"][0]
             # Triton's statistics come from the backend: every row counted, every request a success.
             rows = int(after.get("inference_count", 0)) - int(before.get("inference_count", 0))
             ok = int(after["inference_stats"]["success"].get("count", 0)) - int(before["inference_stats"]["success"].get("count", 0))

@@ -21,7 +21,7 @@ from sklearn.ensemble import GradientBoostingClassifier
 from skl2onnx import to_onnx
 
 from scorestack.errors import ConfigError, PlatformError, ServerError
-from conftest import LocalTriton
+from conftest import LocalTriton, settled_statistics
 from scorestack.serve import build_local_view, check_platform, ensure_server_environment
 from scorestack.serve.view import render_model
 from scorestack.triton_config import load_config, parse_config
@@ -141,7 +141,7 @@ def test_concurrent_requests_are_batched_with_identical_outputs(server, onnx_rep
 
     got = np.stack(asyncio.run(run()))
     np.testing.assert_allclose(got, want_proba, rtol=0, atol=1e-6)
-    after = g.get_inference_statistics("gb").model_stats[0]
+    after = settled_statistics(g, "gb", lambda s: s.model_stats[0].inference_count >= before.inference_count + len(rows)).model_stats[0]
     inferences = after.inference_count - before.inference_count
     executions = after.execution_count - before.execution_count
     # Unique rows: the cache cannot serve them, so every one was inferred.
