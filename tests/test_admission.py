@@ -20,7 +20,7 @@ from sklearn.ensemble import GradientBoostingClassifier
 from scorestack.client.admission import AdaptiveLimit, Gate, policy_of
 from scorestack.client.triton import TritonClient
 from scorestack.errors import OverloadedError, RequestValidationError
-from conftest import LocalTriton
+from conftest import LocalTriton, settled_statistics
 from scorestack.serve.environment import ensure_server_environment
 
 N_FEATURES = 8
@@ -144,8 +144,19 @@ def held(tmp_path_factory):
         yield server, root / "repo"
 
 
-def _stats(server) -> tuple[int, int]:
-    s = grpcclient.InferenceServerClient(server.grpc_url).get_inference_statistics("held").model_stats[0].inference_stats
+def _stats(server, at_least: int = 0) -> tuple[int, int]:
+    """Triton's success and fail counts for `held`, once they add up to `at_least` (a backend reports a
+    request's statistics after sending its response: read right after the reply, a count can lag)."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        done = lambda st: sum(_counts(st)) >= at_least
+        return _counts(settled_statistics(client, "held", done))
+    finally:
+        client.close()
+
+
+def _counts(stats) -> tuple[int, int]:
+    s = stats.model_stats[0].inference_stats
     return s.success.count, s.fail.count
 
 
@@ -185,7 +196,7 @@ def test_a_fixed_limit_refuses_the_excess_before_it_reaches_triton(held):
     msg = str(refused[0])
     assert "model 'held'" in msg and "4 of its calls" in msg and "limit 4, max_in_flight" in msg and "raise max_in_flight" in msg
     # Triton saw exactly the admitted calls: 4 + the one after, none of the refused.
-    success, fail = _stats(server)
+    success, fail = _stats(server, at_least=success0 + fail0 + 5)
     assert (success - success0, fail - fail0) == (5, 0)
     assert state == {"policy": "fixed", "limit": 4, "in_flight": 0, "admitted": 5, "refused": 16, "congestion": 0, "decreases": 0,
                      "target_ms": 2500.0}
@@ -227,5 +238,5 @@ def test_the_adaptive_limit_backs_off_while_the_server_is_slower_than_the_target
     assert limits[0] == 6 and min(limits) <= 2 and state["decreases"] >= 3 and state["limit"] <= 8 * 0.8 ** 3
     assert state["congestion"] >= 8 and refused == state["refused"] > 0 and state["in_flight"] == 0
     assert served + refused == 32
-    success, fail = _stats(server)
+    success, fail = _stats(server, at_least=success0 + fail0 + served)
     assert (success - success0, fail - fail0) == (served, 0)  # Triton saw the admitted calls, all answered
