@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
+import onnx.shape_inference
 
 from .onnx_graph import to_contract
 from .registry import Artifact, ConvertContext, Skip, output_column
@@ -197,7 +199,7 @@ def hummingbird_onnx(model: Any, workdir: Path, ctx: ConvertContext, extra_confi
             dynamic_axes={n: {0: "batch"} for n in ["input", *out_names]},
             opset_version=ONNX_OPSET,
         )
-    raw = onnx.load(str(raw_path))
+    raw = pin_squeeze_axes(onnx.load(str(raw_path)), sample)
     raw_path.unlink()
     if classifier:
         probs = np.asarray(container.predict_proba(sample))
@@ -209,6 +211,37 @@ def hummingbird_onnx(model: Any, workdir: Path, ctx: ConvertContext, extra_confi
     contract = to_contract(raw, ctx.task, ctx.n_features, src, column=column, n_outputs=width)
     onnx.save(contract, str(path))
     return Artifact("hummingbird", "onnxruntime", "onnxruntime", "model.onnx", path, notes=list(notes or []))
+
+
+def pin_squeeze_axes(model: onnx.ModelProto, sample: np.ndarray) -> onnx.ModelProto:
+    """Give every `Squeeze` without axes the axes it squeezed when traced.
+
+    torch's `x.squeeze()` exports as a Squeeze of every size-1 dimension: traced on several rows it
+    removes only the trees' own size-1 axes, but on one row it removes the batch axis too, and the
+    next op fails (hummingbird's GEMM strategy on a GradientBoostingRegressor: "Transpose ... perm size
+    2 does not match input rank 1" at batch 1). The axes are read from the tensors' shapes on the
+    sample's rows (at least 2, so the batch axis is never 1), and written as the op's `axes` input.
+    """
+    import onnxruntime as ort
+
+    bare = [n for n in model.graph.node if n.op_type == "Squeeze" and len([i for i in n.input if i]) == 1]
+    if not bare:
+        return model
+    rows = np.ascontiguousarray(sample if len(sample) >= 2 else np.repeat(sample, 2, axis=0), dtype=np.float32)
+    probe = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v for v in [*probe.graph.value_info, *probe.graph.input, *probe.graph.output]}
+    for n in bare:
+        if n.input[0] not in {o.name for o in probe.graph.output}:
+            probe.graph.output.append(types[n.input[0]])
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [n.input[0] for n in bare]
+    shapes = dict(zip(names, (np.shape(v) for v in session.run(names, {session.get_inputs()[0].name: rows}))))
+    for k, n in enumerate(bare):
+        axes = [i for i, d in enumerate(shapes[n.input[0]]) if d == 1]
+        name = f"scorestack_squeeze_axes_{k}"
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(axes, dtype=np.int64), name))
+        n.input.append(name)
+    return model
 
 
 def save_onnx_contract(raw: onnx.ModelProto, workdir: Path, ctx: ConvertContext, source_output: str | int, n_classes: int | None, fmt: str = "onnx", notes: list[str] | None = None) -> Artifact:

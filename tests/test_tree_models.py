@@ -119,6 +119,46 @@ def test_regression_in_the_hundreds_compiles_and_is_served_within_the_stated_tol
     assert spent <= report.phases_s["candidates"]
 
 
+def test_hummingbird_serves_a_gradient_boosting_regressor_one_row_at_a_time(tmp_path):
+    """hummingbird's GEMM form of a GradientBoostingRegressor ends in `squeeze()`, which ONNX exported as a
+    Squeeze of every size-1 axis: on one row it removed the batch axis and the next Transpose failed, so
+    the candidate was refused ("row 0 at batch 1"). Its axes are now pinned at export: the candidate
+    verifies, and the real Triton serves it at batch 1 and at the largest batch (the serving check)."""
+    import onnx
+    from sklearn.ensemble import GradientBoostingRegressor
+
+    from scorestack.compile import compile_model
+
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(600, 6)).astype(np.float32)
+    y = 3 * X[:, 0] - 2 * X[:, 1] * X[:, 2] + 0.1 * rng.normal(size=600)
+    model = GradientBoostingRegressor(n_estimators=20, max_depth=3, random_state=0).fit(X[:400], y[:400])
+    spec = _joblib_spec(tmp_path, "gbr_hb", model, X[400:], y[400:], "regression", "formats: [hummingbird]\n")
+    report = compile_model(spec, tmp_path / "repo")
+    (cand,) = [c for c in report.candidates if c.format == "hummingbird"]
+    assert cand.status == "selected", cand.reason
+    assert report.serve_check.status == "passed", report.serve_check
+    graph = onnx.load(str(tmp_path / "repo" / "gbr_hb" / str(report.version) / report.selected.artifact)).graph
+    squeezes = [n for n in graph.node if n.op_type == "Squeeze"]
+    assert squeezes and all(len(n.input) == 2 for n in squeezes)
+    # Through the real Triton over gRPC: lone rows and a batch, as the source predicts.
+    import tritonclient.grpc as grpcclient
+
+    from conftest import LocalTriton
+
+    with LocalTriton(tmp_path / "repo", models=["gbr_hb"]) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            for rows in (X[400:401], X[401:402], X[410:426]):
+                inp = grpcclient.InferInput("features", list(rows.shape), "FP32")
+                inp.set_data_from_numpy(np.ascontiguousarray(rows))
+                result = client.infer("gbr_hb", [inp], client_timeout=30)
+                got = result.as_numpy(result.get_response().outputs[0].name).reshape(-1)
+                np.testing.assert_allclose(got, model.predict(rows), rtol=1e-5, atol=1e-5)
+        finally:
+            client.close()
+
+
 def test_the_runtime_runs_scikit_learn_models_on_the_serving_threads(tmp_path):
     """Whatever n_jobs the user trained with (-1, also nested in a Pipeline), the model runtime that times the native
     baseline and serves a scikit-learn model sets every n_jobs to the serving thread count; the scores are unchanged."""
