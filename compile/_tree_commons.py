@@ -230,11 +230,10 @@ def pin_squeeze_axes(model: onnx.ModelProto, sample: np.ndarray) -> onnx.ModelPr
     rows = np.ascontiguousarray(sample if len(sample) >= 2 else np.repeat(sample, 2, axis=0), dtype=np.float32)
     probe = onnx.shape_inference.infer_shapes(model)
     types = {v.name: v for v in [*probe.graph.value_info, *probe.graph.input, *probe.graph.output]}
-    for n in bare:
-        if n.input[0] not in {o.name for o in probe.graph.output}:
-            probe.graph.output.append(types[n.input[0]])
-    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [n.input[0] for n in bare]
+    outputs = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(types[name] for name in dict.fromkeys(names) if name not in outputs)
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
     shapes = dict(zip(names, (np.shape(v) for v in session.run(names, {session.get_inputs()[0].name: rows}))))
     for k, n in enumerate(bare):
         axes = [i for i, d in enumerate(shapes[n.input[0]]) if d == 1]

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -47,18 +48,22 @@ class LocalTriton(_server.LocalTriton):
         super().__init__(*args, exit_timeout_s=exit_timeout_s, **kwargs)
 
 
-def settled_statistics(client, model: str, done, timeout_s: float = 10.0, **kwargs):
-    """Triton's statistics once `done(stats)` holds. The Python backend reports an execution to the
-    core after `execute` returns, which can be after the client already has its response (seen in
-    CI: 9 of 10 executions counted right after the 10th reply): poll, bounded, instead of reading once."""
-    import time
-
+def settled(read, counted, timeout_s: float = 10.0):
+    """Re-read (`read()`) until `counted(reading)` holds or `timeout_s` passes; the last reading either way,
+    for the caller's own assertion. The synchronous twin of `scorestack.client.server_stats.settled`:
+    Triton's backends report a request's statistics after sending its response, so a count read right
+    after the reply can still miss it (CI saw 9 of 10 executions, and 401 of 400 served)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        stats = client.get_inference_statistics(model, client_timeout=5, **kwargs)
-        if done(stats) or time.monotonic() > deadline:
-            return stats
+    reading = read()
+    while not counted(reading) and time.monotonic() < deadline:
         time.sleep(0.02)
+        reading = read()
+    return reading
+
+
+def settled_statistics(client, model: str, counted, timeout_s: float = 10.0, **kwargs):
+    """`model`'s statistics from a tritonclient client (`kwargs`: e.g. as_json=True), once `counted(stats)` holds."""
+    return settled(lambda: client.get_inference_statistics(model, client_timeout=5, **kwargs), counted, timeout_s)
 
 
 def require(reason: str) -> None:

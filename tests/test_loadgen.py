@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from sklearn.ensemble import GradientBoostingClassifier
 from skl2onnx import to_onnx
 
-from conftest import LocalTriton
+from conftest import LocalTriton, settled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import loadgen
@@ -61,15 +60,9 @@ def _served(server: LocalTriton) -> int:
 
 
 def _served_settles_at(server: LocalTriton, before: int, expected: int) -> int:
-    """Requests served since `before`, re-read for up to 2 s until it reaches `expected` (Triton may answer a request a
-    moment before counting it); the caller asserts the value, so an over-count fails too."""
-    now = _served(server) - before
-    for _ in range(100):
-        if now >= expected:
-            break
-        time.sleep(0.02)
-        now = _served(server) - before
-    return now
+    """Requests served since `before`, re-read for up to 2 s until it reaches `expected`; the caller asserts
+    the value, so an over-count fails too."""
+    return settled(lambda: _served(server) - before, lambda n: n >= expected, timeout_s=2.0)
 
 
 def _onnx_probability(server_root: Path, row: np.ndarray) -> float:

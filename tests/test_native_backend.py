@@ -186,7 +186,7 @@ def test_concurrent_requests_of_mixed_sizes_are_joined_and_split_exactly(reposit
                 stats_client, name, lambda s, want=rows_before + sum(sizes): int(s["model_stats"][0].get("inference_count", 0)) >= want, as_json=True
             )["model_stats"][0]
             # Triton's statistics come from the backend: every row counted, every request a success.
-            rows = int(after.get("inference_count", 0)) - int(before.get("inference_count", 0))
+            rows = int(after.get("inference_count", 0)) - rows_before
             ok = int(after["inference_stats"]["success"].get("count", 0)) - int(before["inference_stats"]["success"].get("count", 0))
             executions = int(after.get("execution_count", 0)) - int(before.get("execution_count", 0))
             assert rows == sum(sizes), name

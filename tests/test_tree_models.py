@@ -123,7 +123,7 @@ def test_hummingbird_serves_a_gradient_boosting_regressor_one_row_at_a_time(tmp_
     """hummingbird's GEMM form of a GradientBoostingRegressor ends in `squeeze()`, which ONNX exported as a
     Squeeze of every size-1 axis: on one row it removed the batch axis and the next Transpose failed, so
     the candidate was refused ("row 0 at batch 1"). Its axes are now pinned at export: the candidate
-    verifies, and the real Triton serves it at batch 1 and at the largest batch (the serving check)."""
+    verifies, passes the serving check, and a real Triton answers lone rows and a batch over gRPC."""
     import onnx
     from sklearn.ensemble import GradientBoostingRegressor
 

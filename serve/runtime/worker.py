@@ -74,7 +74,7 @@ class Worker:
 
     def hello(self, msg, blobs):
         # Versions from the installed distributions' metadata, not by importing the libraries: the imports
-        # took ~0.8 s of every worker's start, i.e. of every compile (a candidate imports what it uses).
+        # took ~0.7 s of every worker's start (0.95 s -> 0.25 s measured), i.e. of every compile (a candidate imports what it uses).
         versions = {}
         for lib, dists in _DISTRIBUTIONS.items():
             versions[lib] = "unavailable (not installed)"
