@@ -240,6 +240,7 @@ int scorestack_predict_batch(const float* X, int64_t n_rows, int32_t n_cols, int
 
 NODE_DTYPE = np.dtype([("thr", "<f4"), ("fm", "<i4"), ("ch", "<i4"), ("leaf", "<i4")])  # the C kernel's `Node`
 LEAF_FM = -(1 << 31)  # a leaf: the sign bit set, feature 0, no missing-value bit
+LONE_MAX_FEATURES = 8192  # a lone row's two copies (NaN going left, NaN going right) sit on the stack up to this width
 MAX_OUTPUTS = 256
 _NODE_POST = {"identity", "identity_multiclass", "sigmoid", "softmax", "multiclass_ova"}
 
@@ -247,7 +248,7 @@ _NODE_POST = {"identity", "identity_multiclass", "sigmoid", "softmax", "multicla
 def node_arrays(model: dict[str, Any]) -> dict[str, Any]:
     """The node layout of a Treelite model (model_dict): trees of any depth, unpadded, and several outputs a row.
 
-    Every node is one 16-byte record (float32 threshold, feature | missing-goes-right << 30, first
+    Every node is one 16-byte record (float32 threshold, feature << 1 | missing-goes-right, first
     child, leaf offset); a node's two children are adjacent, so the right one is `ch + 1`. A leaf has
     the sign bit set in `fm`, a NaN threshold and itself as child, so a walk that goes on past it stays
     there (the interleaved walk takes each tree's depth in steps); its value (added to the tree's
@@ -305,7 +306,7 @@ def node_arrays(model: dict[str, Any]) -> dict[str, Any]:
                     raise Skip(f"split feature {feature}: out of the kernel's range")
                 left = len(records)
                 records += [(0.0, LEAF_FM, 0, 0), (0.0, LEAF_FM, 0, 0)]
-                records[slot] = (float(_threshold32(float(node["threshold"]), node["comparison_op"])), feature | (0 if node["default_left"] else 1 << 30), left, 0)
+                records[slot] = (float(_threshold32(float(node["threshold"]), node["comparison_op"])), feature << 1 | (0 if node["default_left"] else 1), left, 0)
                 queue += [(node["left_child"], left), (node["right_child"], left + 1)]
     per_class = [sum(1 for c in classes if c in (-1, j)) for j in range(k)]
     base = list(model.get("base_scores") or [0.0]) + [0.0] * k
@@ -325,11 +326,11 @@ def node_kernel_source(arrays: dict[str, Any], nodes_bin: Path, leafv_bin: Path)
     k, n_trees = arrays["k"], len(arrays["roots"])
     add = "{{ const float* lv = SS_LEAFV + SS_NODES[{i}].leaf; double* a = acc + ({b}) * K; for (int j = 0; j < K; ++j) a[j] += lv[j]; }}" if arrays["vectors"] else "acc[({b}) * K + {c}] += SS_LEAFV[SS_NODES[{i}].leaf];"
     rows = range(INTERLEAVE)
-    step = "i{r} = SS_NODES[i{r}].ch + (int32_t)((v{r} >= SS_NODES[i{r}].thr) | ((v{r} != v{r}) & (((uint32_t)SS_NODES[i{r}].fm >> 30) & 1u)));"
+    step = "i{r} = SS_NODES[i{r}].ch + (int32_t)((v{r} >= SS_NODES[i{r}].thr) | ((v{r} != v{r}) & (SS_NODES[i{r}].fm & 1)));"
     interleaved = "\n".join(
         ["        " + " ".join(f"const float* x{r} = xb + (b + {r}) * N_FEATURE; int32_t i{r} = root;" for r in rows)]
         + ["        for (int32_t s = 0; s < steps; ++s) {"]
-        + [f"          const float v{r} = x{r}[SS_NODES[i{r}].fm & 0x3fffffff];" for r in rows]
+        + [f"          const float v{r} = x{r}[(SS_NODES[i{r}].fm >> 1) & 0x3fffffff];" for r in rows]
         + ["          " + step.format(r=r) for r in rows]
         + ["        }"]
         + ["        " + add.format(i=f"i{r}", b=f"b + {r}", c="c") for r in rows]
@@ -337,17 +338,29 @@ def node_kernel_source(arrays: dict[str, Any], nodes_bin: Path, leafv_bin: Path)
     # The rows left over (a lone row, or the last few of a batch): TREE_GROUP trees' walks side by side
     # for the row, until all of them stand on a leaf (a leaf's record has the sign bit and loops on
     # itself), so the loads of several walks overlap instead of one tree's chain of loads at a time.
+    # A row of up to LONE_MAX_FEATURES features is first copied twice, interleaved: xs[2f] = x[f] and
+    # xs[2f + 1] = x[f] with NaN made +inf, so a split (feature << 1 | missing-goes-right) reads
+    # xs[fm] and `>=` sends NaN its default way (NaN >= t is false; +inf >= t true, t is never NaN).
+    lone = arrays["n_feature"] <= LONE_MAX_FEATURES
+    if lone:
+        choose = "{ch} + (int32_t)(xs[{f} & 0x7fffffff] >= {thr})"
+        prepare = ("float xs[2 * N_FEATURE + 1];\n"
+                   "      for (int f = 0; f < N_FEATURE; ++f) { const float v = x[f]; xs[2 * f] = v; xs[2 * f + 1] = v != v ? INFINITY : v; }")
+    else:
+        choose = "{ch} + (int32_t)((v{r} >= {thr}) | ((v{r} != v{r}) & ({f} & 1)))"
+        prepare = ""
     trees = range(TREE_GROUP)
     grouped = "\n".join(
         ["          " + " ".join(f"int32_t j{r} = ROOT[t + {r}];" for r in trees)]
         + ["          for (;;) {"]
         + ["            " + " ".join(f"const int32_t f{r} = SS_NODES[j{r}].fm;" for r in trees)]
         + [f"            if (({' & '.join(f'f{r}' for r in trees)}) < 0) break;"]
-        + [f"            const float v{r} = x[f{r} & 0x3fffffff];" for r in trees]
-        + [f"            j{r} = SS_NODES[j{r}].ch + (int32_t)((v{r} >= SS_NODES[j{r}].thr) | ((v{r} != v{r}) & (((uint32_t)f{r} >> 30) & 1u)));" for r in trees]
+        + ([] if lone else [f"            const float v{r} = x[(f{r} >> 1) & 0x3fffffff];" for r in trees])
+        + [f"            j{r} = " + choose.format(ch=f"SS_NODES[j{r}].ch", f=f"f{r}", thr=f"SS_NODES[j{r}].thr", r=r) + ";" for r in trees]
         + ["          }"]
         + ["          " + add.format(i=f"j{r}", b="b", c=f"CLS[t + {r}]") for r in trees]
     )
+    single = ("" if lone else "const float v = x[fm >> 1]; ") + "i = " + choose.format(ch="SS_NODES[i].ch", f="fm", thr="SS_NODES[i].thr", r="") + ";"
     post = arrays["post"]
     sigmoid = "for (int j = 0; j < K; ++j) r[j] = (float)(1.0 / (1.0 + exp(-ALPHA * m[j])));"  # one per class for multiclass_ova
     finish = {
@@ -399,6 +412,7 @@ int scorestack_predict_batch(const float* X, int64_t n_rows, int32_t n_cols, int
     }}
     for (int64_t b = nb - nb % INTERLEAVE; b < nb; ++b) {{  /* the rest (a lone row): trees in groups, then one by one */
       const float* x = xb + b * N_FEATURE;
+      {prepare}
       int t = 0;
       for (; t + TREE_GROUP <= N_TREES; t += TREE_GROUP) {{
 {grouped}
@@ -408,8 +422,7 @@ int scorestack_predict_batch(const float* X, int64_t n_rows, int32_t n_cols, int
         (void)c;
         int32_t i = ROOT[t], fm;
         while ((fm = SS_NODES[i].fm) >= 0) {{  /* the child is chosen without a branch; only the walk's end is one */
-          const float v = x[fm & 0x3fffffff];
-          i = SS_NODES[i].ch + (int32_t)((v >= SS_NODES[i].thr) | ((v != v) & (fm >> 30)));
+          {single}
         }}
         {add.format(i="i", b="b", c="c")}
       }}
