@@ -409,7 +409,7 @@ class DirectRedisBackend(Backend):
         n_rows = sum(len(ids) for _, ids in plan)
         windowed = []
         if self.windows:
-            # The windows: one HGETALL of each entity's bucket rings in the same pipeline, the same
+            # The windows: one MGET of each entity's bucket rings in the same pipeline, the same
             # round trip; the sums are made here (a Lua read script cost Redis ~88 us a call).
             from scorestack.features.velocity import entity_text
 

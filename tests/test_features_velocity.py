@@ -62,17 +62,19 @@ def test_events_age_out_of_their_window(counters):
     assert store.read(7) == dict.fromkeys(FRAUD_VELOCITY.feature_names, 0.0)
     assert store.read(8) == dict.fromkeys(FRAUD_VELOCITY.feature_names, 0.0)  # another entity: untouched
     if isinstance(store, RedisVelocity):
-        # The hash outlives its longest window: its expiry is set one day and an hour ahead when an
-        # event opens a bucket (e2 opened a new 5-minute one), and not renewed by an event that does not.
-        hash_ttl = 86400 + 3600
-        assert hash_ttl - 5 <= store.client.ttl(store.key(7)) <= hash_ttl
+        # Each ring outlives its longest window: its key's expiry is set that window and a bucket
+        # ahead when an event opens a bucket in it (e2 opened a new 5-minute one), and not renewed by
+        # an event that does not.
+        short, long = store.keys(7)
+        assert 3600 + 300 - 5 <= store.client.ttl(short) <= 3600 + 300
+        assert 86400 + 3600 - 5 <= store.client.ttl(long) <= 86400 + 3600
         clock.t = T0 + 1800
-        store.client.expire(store.key(7), 100)
+        store.client.expire(short, 100)
         store.add(7, "e3", {"amount": 1.0})  # e2's buckets: nothing new opened
-        assert store.client.ttl(store.key(7)) <= 100
+        assert store.client.ttl(short) <= 100
         clock.t = T0 + 1800 + 300
         store.add(7, "e4", {"amount": 1.0})  # a new 5-minute bucket
-        assert store.client.ttl(store.key(7)) >= hash_ttl - 5
+        assert store.client.ttl(short) >= 3600 + 300 - 5
 
 
 def test_late_event_lands_in_its_own_bucket_and_retries_do_not_double_count(counters):
