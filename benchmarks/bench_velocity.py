@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,12 @@ class Server:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def replica(port: int, prefix: str, events: list, start_at: float, out, rate: float = 0.0) -> None:
@@ -131,7 +138,11 @@ def exact_run(args, workdir: Path, *, outage: bool = False) -> dict:
     write_s = max(r[1] for r in results)
     outcomes = {k: sum(1 for row in log if row[4] == k) for k in ("added", "duplicate", "expired", "failed")}
     store = RedisVelocity(redis.Redis(port=port), FRAUD_VELOCITY, prefix=prefix)
-    read_now = now + 1
+    # Read (and make the reference) at a time no earlier than any write's clock: a writer leaves out an
+    # event already older than its window when written, so a reference taken earlier than that write
+    # (as `now + 1` was: a 5-minute bucket's edge crossed between the start and a late retry showed
+    # up as "lost" counts, 141 in one run) would count an event the window had already dropped.
+    read_now = time.time() + 1
     out = {"outage": outage, "events": len(log), "outcomes": outcomes, "write_s": write_s, "events_per_s": len(log) / write_s, "outage_s": outage_s}
     out.update(compare(store, log, args.users, read_now))
     if outcomes["failed"]:
@@ -143,7 +154,7 @@ def exact_run(args, workdir: Path, *, outage: bool = False) -> dict:
         retried = {row[0]: writer.add(row[1], row[0], {"amount": row[3]}, row[2]) for row in log if row[4] == "failed"}
         out["before_retry"] = {k: out[k] for k in ("lost_counts", "double_counts", "lost_amount", "users_mismatched")}
         out["retry_of_failed"] = {k: sum(v == k for v in retried.values()) for k in ("added", "duplicate", "failed")}
-        out.update(compare(store, [(*row[:4], retried.get(row[0], row[4])) for row in log], args.users, read_now))
+        out.update(compare(store, [(*row[:4], retried.get(row[0], row[4])) for row in log], args.users, time.time() + 1))
     server.stop()
     return out
 
@@ -222,11 +233,29 @@ async def fetch_runs(workdir: Path, seconds: float, rounds: int, repository: Pat
                  "fraud path windows read, no write-back": FraudService(tc, on)}
         sends.update({name: (lambda i, svc=svc: svc.score({"user_id": rng.randrange(1000), **txns[i % 1000]})) for name, svc in paths.items()})
     tallies: dict[str, dict[int, list[Tally]]] = {name: {1: [], 16: []} for name in sends}
+    # CPU per request at 16 callers, by process: the service (this one, over the counted span), Redis
+    # and Triton (over the whole loop, warm-up included, per request sent): where a saturated
+    # 2-core machine's time goes, and which part would leave with Redis on a host of its own.
+    import redis as redis_sync
+
+    stats_client = redis_sync.Redis(port=server.port)
+
+    def others() -> tuple[float, float]:
+        info = stats_client.info("cpu")
+        return info["used_cpu_user"] + info["used_cpu_sys"], process_cpu_s(triton.process.pid) if triton is not None else 0.0
+
+    cpu16: dict[str, list[dict[str, float]]] = {name: [] for name in sends}
     for r in range(rounds):
         for concurrency in (1, 16):
             names = list(sends) if r % 2 == 0 else list(reversed(sends))
             for name, send in ((n, sends[n]) for n in names):
-                tallies[name][concurrency].append(await closed_loop(send, concurrency, duration_s=seconds, warmup_s=0.5))
+                before = others()
+                tally = await closed_loop(send, concurrency, duration_s=seconds, warmup_s=0.5)
+                after = others()
+                tallies[name][concurrency].append(tally)
+                if concurrency == 16 and tally.ok:
+                    cpu16[name].append({"service": tally.cpu_s / tally.ok * 1e6, "redis": (after[0] - before[0]) / tally.sent_all * 1e6,
+                                        "triton": (after[1] - before[1]) / tally.sent_all * 1e6})
     await writer.drain(30)
     counts = {k: writer.count(k) for k in ("added", "duplicate", "failed", "dropped")}
     await writer.close()
@@ -244,7 +273,8 @@ async def fetch_runs(workdir: Path, seconds: float, rounds: int, repository: Pat
         rate16 = sum(t.ok for t in tallies[name][16]) / sum(t.wall_s for t in tallies[name][16])
         out[name] = {"c1_p50_ms": c1["p50_ms"], "c1_p99_ms": c1["p99_ms"], "c16_rate": rate16, "c16_p50_ms": c16["p50_ms"],
                      "c1_errors": c1["errors"], "c16_errors": c16["errors"],
-                     "rounds": [{"c1_p50_ms": a.summary()["p50_ms"], "c16_rate": b.ok / b.wall_s} for a, b in zip(tallies[name][1], tallies[name][16])]}
+                     "rounds": [{"c1_p50_ms": a.summary()["p50_ms"], "c16_rate": b.ok / b.wall_s} for a, b in zip(tallies[name][1], tallies[name][16])],
+                     "c16_cpu_us": {k: statistics.median(c[k] for c in cpu16[name]) for k in ("service", "redis", "triton")} if cpu16[name] else None}
     return out
 
 
@@ -309,6 +339,13 @@ def main() -> None:
             "",
             f"on / off: c1 p50 {on['c1_p50_ms'] / off['c1_p50_ms']:.3f}x, c16 req/s {on['c16_rate'] / off['c16_rate']:.3f}x. "
             f"Write-back outcomes: {fetch['writes']}.",
+            "",
+            "CPU µs per request at 16 callers (medians over the rounds; the service over the counted span, Redis and Triton over the "
+            "whole loop per request sent), where the saturated machine's time goes:",
+            "",
+            *table(["", "service", "Redis", "Triton", "all three"],
+                   [[k, f"{v['c16_cpu_us']['service']:.0f}", f"{v['c16_cpu_us']['redis']:.0f}", f"{v['c16_cpu_us']['triton']:.0f}",
+                     f"{sum(v['c16_cpu_us'].values()):.0f}"] for k, v in fetch.items() if isinstance(v, dict) and v.get("c16_cpu_us")]),
         ]
         if "fraud path on" in fetch:  # the goal's own terms: the whole fraud request, the model in the local Triton
             p_off, p_on = fetch["fraud path off"], fetch["fraud path on"]
