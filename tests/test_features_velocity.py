@@ -107,6 +107,29 @@ def test_window_must_be_a_multiple_of_its_bucket():
         VelocitySpec("v", (WindowedFeature("x", 3600, bucket_s=7),))
 
 
+def test_redis_rings_windows_of_one_resolution_and_a_changed_window(redis_url, prefix):
+    """Two windows over one ring (30 min and 1 h at 5-minute buckets) each sum only their own
+    buckets; a spec whose longest window changed reads a new ring (the slot count is in the key), not
+    the old ring's slots at the wrong places; a ring of too many features is refused by name."""
+    import redis
+
+    from scorestack.errors import FeatureError
+
+    client = redis.Redis.from_url(redis_url)
+    clock = Clock()
+    spec = VelocitySpec("w", (WindowedFeature("n_30m", 1800, None, 300), WindowedFeature("sum_1h", 3600, "amount", 300)))
+    store = RedisVelocity(client, spec, prefix=prefix, clock=clock)
+    for i, (age, amount) in enumerate([(0, 1.5), (900, 2.0), (2400, 4.0), (3700, 8.0)]):
+        assert store.add("u", f"e{i}", {"amount": amount}, event_time=T0 - age) == ("added" if age < 3600 else "expired")
+    assert store.read("u") == {"n_30m": 2.0, "sum_1h": 7.5}  # 30 min: ages 0 and 900; 1 h: the three under an hour
+    # Slots of (start, n, sum) in float64s, written in place: the string ends at the last slot written, within 12 slots.
+    assert client.strlen(store.keys("u")[0]) % (3 * 8) == 0 and client.strlen(store.keys("u")[0]) <= 12 * 3 * 8
+    longer = RedisVelocity(client, VelocitySpec("w", (WindowedFeature("sum_2h", 7200, "amount", 300),)), prefix=prefix, clock=clock)
+    assert longer.keys("u") != store.keys("u") and longer.read("u") == {"sum_2h": 0.0}
+    with pytest.raises(FeatureError, match="give some of them another bucket_s"):
+        RedisVelocity(client, VelocitySpec("w", tuple(WindowedFeature(f"f{i}", 3600, None, 300) for i in range(16))), prefix=prefix)
+
+
 def _writer(url: str, prefix: str, events: list) -> None:
     import redis
 
