@@ -20,7 +20,7 @@ import xgboost as xgb
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from conftest import LocalTriton, ServeOutput
+from conftest import LocalTriton, ServeOutput, settled_statistics
 from restricted_triton import assert_restricted_to, cmdlines, wait_ready
 
 from scorestack import limits, schema
@@ -182,7 +182,7 @@ def test_model_load_unload_needs_the_key_inference_does_not(plain_server, fraud_
     # Statistics: restricted on gRPC and HTTP alike.
     with pytest.raises(InferenceServerException, match="restricted"):
         g.get_inference_statistics(MODEL, client_timeout=5)
-    stats = g.get_inference_statistics(MODEL, headers=KEY.grpc_headers, client_timeout=5).model_stats[0]
+    stats = settled_statistics(g, MODEL, lambda s: s.model_stats[0].inference_stats.success.count >= 1, headers=KEY.grpc_headers).model_stats[0]
     assert stats.name == MODEL and stats.inference_stats.success.count >= 1
     req = urllib.request.Request(f"http://{plain_server.http_url}/v2/repository/index", data=b"{}", method="POST")
     with pytest.raises(urllib.error.HTTPError) as http_err:
