@@ -100,15 +100,8 @@ def served_b1(repository: Path, name: str, X: np.ndarray, n: int = 2000) -> dict
     backend's call into the model, without the request's transport), with the backend that ran it."""
     import tritonclient.grpc as grpcclient
 
+    from scorestack.client.server_stats import parse_statistics
     from scorestack.serve import LocalTriton
-
-    def compute(client) -> dict[str, tuple[int, int]]:
-        # The newest version's (the one served: an earlier compile's folder may still be there).
-        stats = max(client.get_inference_statistics(name, as_json=True)["model_stats"], key=lambda s: int(s["version"]))
-        for b in stats.get("batch_stats", []):
-            if int(b["batch_size"]) == 1:
-                return {phase: (int(b[phase].get("count", 0)), int(b[phase].get("ns", 0))) for phase in ("compute_input", "compute_infer", "compute_output")}
-        return dict.fromkeys(("compute_input", "compute_infer", "compute_output"), (0, 0))
 
     rows = np.ascontiguousarray(X, dtype=np.float32)
     with LocalTriton(repository, models=[name], exit_timeout_s=0) as server:
@@ -122,17 +115,24 @@ def served_b1(repository: Path, name: str, X: np.ndarray, n: int = 2000) -> dict
                 tensor.set_data_from_numpy(x)
                 return client.infer(name, [tensor])
 
+            def stats():
+                return parse_statistics(client.get_inference_statistics(name, as_json=True))[name]
+
             for i in range(200):  # warm-up
                 infer(i)
-            before = compute(client)
+            before = stats()
             for i in range(n):
                 infer(i)
-            after = compute(client)
+            window = stats() - before  # every request one row: each execution is a batch of 1
         finally:
             client.close()
-    per = {phase: (after[phase][1] - before[phase][1]) / max(1, after[phase][0] - before[phase][0]) / 1000 for phase in after}
-    return {"backend": cfg.backend or cfg.platform, "requests": n, "executions": after["compute_infer"][0] - before["compute_infer"][0],
-            "compute_b1_us": round(per["compute_infer"], 2), "input_b1_us": round(per["compute_input"], 2), "output_b1_us": round(per["compute_output"], 2)}
+
+    def per_execution_us(phase) -> float:
+        return round(phase.ns / max(1, phase.count) / 1000, 2)
+
+    return {"backend": cfg.backend or cfg.platform, "requests": n, "executions": window.execution_count,
+            "compute_b1_us": per_execution_us(window.compute_infer), "input_b1_us": per_execution_us(window.compute_input),
+            "output_b1_us": per_execution_us(window.compute_output)}
 
 
 def render(data: dict) -> str:

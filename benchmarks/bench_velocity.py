@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Tally, closed_loop, demo_stack, machine, table, write_results
+from harness import Tally, closed_loop, cpu_seconds, demo_stack, machine, table, write_results
 
 from scorestack.features.velocity import FRAUD_VELOCITY, RedisVelocity, VelocityWriter
 from scorestack.serve.ports import free_port
@@ -56,12 +56,6 @@ class Server:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (from /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def replica(port: int, prefix: str, events: list, start_at: float, out, rate: float = 0.0) -> None:
@@ -236,13 +230,13 @@ async def fetch_runs(workdir: Path, seconds: float, rounds: int, repository: Pat
     # CPU per request at 16 callers, by process: the service (this one, over the counted span), Redis
     # and Triton (over the whole loop, warm-up included, per request sent): where a saturated
     # 2-core machine's time goes, and which part would leave with Redis on a host of its own.
-    import redis as redis_sync
+    import redis
 
-    stats_client = redis_sync.Redis(port=server.port)
+    stats_client = redis.Redis(port=server.port)
 
     def others() -> tuple[float, float]:
         info = stats_client.info("cpu")
-        return info["used_cpu_user"] + info["used_cpu_sys"], process_cpu_s(triton.process.pid) if triton is not None else 0.0
+        return info["used_cpu_user"] + info["used_cpu_sys"], cpu_seconds([triton.process.pid], children=False) if triton is not None else 0.0
 
     cpu16: dict[str, list[dict[str, float]]] = {name: [] for name in sends}
     for r in range(rounds):
@@ -264,6 +258,7 @@ async def fetch_runs(workdir: Path, seconds: float, rounds: int, repository: Pat
     if triton is not None:
         await tc.__aexit__(None, None, None)
         triton.stop()
+    stats_client.close()
     server.stop()
     out = {"writes": counts, "backend_on": on.backend_of("fraud")}
     for name in sends:

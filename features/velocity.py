@@ -40,7 +40,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import compress
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from scorestack.errors import FeatureError
 
@@ -151,7 +151,7 @@ class VelocitySpec:
 # the newest bucket of a ring was opened no earlier than its own start, so the key outlives every
 # window its data counts in. A read is one MGET of the entity's rings.
 # Measured against the layout before it (one hash per entity, a field per feature and slot, ~100
-# fields): the fetch's read of the windows 48 -> 12 us of the service's CPU (two values to unpack
+# fields): the fetch's read of the windows 48 -> 8-14 us of the service's CPU (two values to unpack
 # instead of ~200 fields to parse and match), and the writer's payload 344 -> 187 bytes an event.
 
 # A batch of events in one script call (each event's outcome its own; the batch atomic as a whole).
@@ -209,8 +209,9 @@ end
 return out
 """
 
-# Events per script call: a call holds Redis for its whole batch (~12 us an event), so a read
-# arriving behind it waits at most about this many events' work.
+# Events per script call: a call holds Redis for its whole batch (~20 us an event with the
+# append-only file on, measured on the 2-core host), so a read arriving behind it waits at most
+# about this many events' work.
 ADD_BATCH = 64
 MAX_RING_FEATURES = 15  # the add script's struct formats go up to 16 float64s a slot
 ADD_OUTCOMES = {0: "duplicate", 1: "added", 2: "added", 3: "expired"}
@@ -219,6 +220,19 @@ ADD_OUTCOMES = {0: "duplicate", 1: "added", 2: "added", 3: "expired"}
 def outcomes_of(replies: Sequence[Sequence[int]]) -> list[str]:
     """Each event's outcome from the add script's replies (one list of codes per call)."""
     return [ADD_OUTCOMES[int(r)] for reply in replies for r in reply]
+
+
+class _Ring(NamedTuple):
+    """One resolution's ring, worked out once from the spec."""
+
+    bucket_s: int
+    slots: int
+    prefix: str  # the ring's keys: prefix + entity
+    size: int  # bytes of a whole ring (slots of 1 + n float64s)
+    unpack: Callable[[bytes], tuple[float, ...]]
+    stride: int  # float64s a slot: its bucket's start, then one per feature
+    windows: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (buckets a window spans, ((column in a slot, feature position), ...))
+    call_args: tuple[int, ...]  # what an add call says of the ring after its oldest bucket: ttl, n, what each feature adds
 
 
 class RedisVelocity:
@@ -241,11 +255,7 @@ class RedisVelocity:
         self.lean: tuple[str, int, dict] | None = None
         self._fields = tuple(dict.fromkeys(f.source for f in spec.features if f.source is not None))  # the event fields added
         position = {f.name: i for i, f in enumerate(spec.features)}
-        # Per resolution, worked out once: bucket_s, slots, the ring's bytes, the header's part, and
-        # for the reader: its unpacker and windows ((buckets a window spans, [(column, feature)])).
-        self._rings = []
-        self._ring_args: list[tuple] = []
-        self._inside: dict[tuple[int, int, int], Callable[[float], bool]] = {}  # (bucket_s, buckets, current) -> is a start in that window
+        self._rings: list[_Ring] = []
         for bs, features in spec.resolutions.items():
             if len(features) > MAX_RING_FEATURES:
                 raise FeatureError(f"{spec.name}: {len(features)} windowed features at {bs} s buckets; a ring holds up to "
@@ -254,29 +264,28 @@ class RedisVelocity:
             windows: dict[int, list[tuple[int, int]]] = {}
             for j, f in enumerate(features):
                 windows.setdefault(f.window_s // bs, []).append((1 + j, position[f.name]))
-            self._rings.append((bs, slots, f"r{bs}x{slots}:", 8 * slots * stride, struct.Struct(f"<{slots * stride}d").unpack, stride,
-                                tuple((n, tuple(cols)) for n, cols in windows.items())))
-            # What a call says of the ring after its oldest bucket (the call's own): its ttl, n and what each feature adds.
-            self._ring_args.append((slots * bs + bs, len(features), *[0 if f.source is None else 1 + self._fields.index(f.source) for f in features]))
-
-        self._ring_prefixes = [f"{self.prefix}{ring[2]}".encode() for ring in self._rings]
+            adds = [0 if f.source is None else 1 + self._fields.index(f.source) for f in features]
+            self._rings.append(_Ring(bs, slots, f"{self.prefix}r{bs}x{slots}:", 8 * slots * stride, struct.Struct(f"<{slots * stride}d").unpack,
+                                     stride, tuple((n, tuple(cols)) for n, cols in windows.items()), (slots * bs + bs, len(features), *adds)))
+        self._ring_prefixes = [ring.prefix.encode() for ring in self._rings]
         self._mget = b"*%d\r\n$4\r\nMGET\r\n" % (1 + len(self._rings))
+        # (bucket_s, buckets, current bucket) -> "is a slot's start in that window" (a frozenset's membership test)
+        self._inside: dict[tuple[int, int, int], Callable[[float], bool]] = {}
 
     def keys(self, entity: Any) -> list[str]:
         """`entity`'s ring keys, one per resolution."""
-        return [f"{self.prefix}{ring[2]}{entity}" for ring in self._rings]
+        return [ring.prefix + str(entity) for ring in self._rings]
 
     def add_call(self, items: Sequence[tuple[Any, str, Mapping[str, Any], float | None]], now: float) -> tuple[list, list]:
         """The add script's keys and arguments for a batch of (entity, event id, event, event time) at `now`."""
         args: list[Any] = [self.spec.dedup_s, len(self._fields), len(self._rings)]
-        for (bs, slots, *_), rest in zip(self._rings, self._ring_args):
-            args += (slots, bs, self.spec.bucket(now, bs) - (slots - 1) * bs, *rest)
+        for ring in self._rings:
+            args += (ring.slots, ring.bucket_s, self.spec.bucket(now, ring.bucket_s) - (ring.slots - 1) * ring.bucket_s, *ring.call_args)
         keys: list[str] = []
-        seen, names, fields = f"{self.prefix}seen:", [self.prefix + ring[2] for ring in self._rings], self._fields
+        seen, fields = f"{self.prefix}seen:", self._fields
         for entity, event_id, event, event_time in items:
-            entity = str(entity)
             keys.append(seen + event_id)
-            keys += [name + entity for name in names]
+            keys += self.keys(entity)
             args.append(math.floor(now if event_time is None else event_time))
             args += [repr(float(event[f])) for f in fields]
         return keys, args
@@ -318,15 +327,16 @@ class RedisVelocity:
         ring never written): the sums of the slots whose bucket lies in the feature's window."""
         features = self.spec.features
         totals = [0.0] * len(features)
-        for (bucket_s, _, _, size, unpack, stride, windows), value in zip(self._rings, reply):
+        for ring, value in zip(self._rings, reply):
             if not value:
                 continue
-            if len(value) < size:  # slots past the last one written: empty
-                value = value + bytes(size - len(value))
-            values = unpack(value)
+            if len(value) < ring.size:  # slots past the last one written: empty
+                value = value + bytes(ring.size - len(value))
+            values = ring.unpack(value)
+            bucket_s, stride = ring.bucket_s, ring.stride
             starts = values[::stride]
-            current = (int(now) // bucket_s) * bucket_s
-            for n, columns in windows:
+            current = self.spec.bucket(now, bucket_s)
+            for n, columns in ring.windows:
                 # A slot counts when its bucket is one of the window's n: the test runs in C (a set's
                 # membership over the slots' starts, then a compress of each feature's column).
                 key = (bucket_s, n, current)
@@ -493,7 +503,9 @@ def overlay(view, row, sums: Mapping[str, float], now: float):
     An entity without a stored row gets one holding only its windowed features, timed `now`; a
     stored row keeps its own event time, so the view's other (batch-fed) features age as before.
     """
-    from scorestack.features.backends import Row, np
+    import numpy as np
+
+    from scorestack.features.backends import Row
 
     if row is None:
         values = np.zeros(len(view.features), dtype=np.float64)
@@ -501,25 +513,11 @@ def overlay(view, row, sums: Mapping[str, float], now: float):
         row = Row(values, found, now, tuple(None for _ in view.raw_features))
     else:
         row = Row(row.values.copy(), row.found.copy(), row.event_ts, row.raw)
-    values, found = row.values, row.found
-    for i, name in _windowed_positions(view.features, tuple(sums)):
-        values[i] = sums[name]
-        found[i] = True
+    for i, name in enumerate(view.features):
+        if name in sums:
+            row.values[i] = sums[name]
+            row.found[i] = True
     return row
-
-
-_POSITIONS: dict[tuple[tuple[str, ...], tuple[str, ...]], list[tuple[int, str]]] = {}
-
-
-def _windowed_positions(features: tuple[str, ...], names: tuple[str, ...]) -> list[tuple[int, str]]:
-    """(position in the view, name) of each of `names` among the view's `features` (worked out once)."""
-    key = (features, names)
-    found = _POSITIONS.get(key)
-    if found is None:
-        if len(_POSITIONS) > 256:
-            _POSITIONS.clear()
-        found = _POSITIONS[key] = [(i, name) for i, name in enumerate(features) if name in names]
-    return found
 
 
 def sync_counters(store: "Any", spec: VelocitySpec, *, clock: Clock = time.time):
@@ -597,7 +595,7 @@ class AsyncVelocityWriter:
         self.timeout_s = timeout_s
         # After the first event, wait this long for more: one script call per batch, not per event.
         # Redis's cost is mostly per call (about 90 us a call at one request at a time on the 2-core
-        # host, 12 us an event in a batch of 32), so at low rates a longer linger is the cheaper
+        # host, ~20 us an event in a batch of 40), so at low rates a longer linger is the cheaper
         # write; an event then reaches the counters up to linger_s (and a round trip) after submit.
         self.linger_s = linger_s
         self.registry = registry if registry is not None else CollectorRegistry()

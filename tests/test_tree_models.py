@@ -215,3 +215,37 @@ def test_a_multiclass_forest_is_served_by_the_tree_kernel_through_triton(tmp_pat
                 np.testing.assert_allclose(got.reshape(len(rows), 3), forest.predict_proba(rows), rtol=0, atol=1e-5)
         finally:
             client.close()
+
+
+def test_a_deep_lightgbm_model_with_missing_values_is_served_by_the_node_layout_one_row_at_a_time(tmp_path, server_environment):
+    """LightGBM's leaf-wise trees (63 leaves, deeper than the complete-tree layout takes) with NaN in
+    the rows, compiled to the tree kernel only: its node layout walks a lone row over a doubled copy
+    of it (NaN kept for splits whose missing values go left, +inf for those that go right). Lone rows
+    with and without NaN and a batch, through the real Triton over gRPC, against LightGBM's predict."""
+    import lightgbm as lgb
+    import tritonclient.grpc as grpcclient
+
+    from conftest import LocalTriton
+    from scorestack.compile import compile_model
+
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(3000, 8)).astype(np.float32)
+    y = (X[:, 0] + 0.7 * X[:, 1] * X[:, 2] - 0.5 * X[:, 3] ** 2 + 0.3 * rng.normal(size=3000) > 0).astype(int)
+    X[rng.random(X.shape) < 0.1] = np.nan  # missing values the trees learn default directions for
+    model = lgb.LGBMClassifier(n_estimators=40, num_leaves=63, min_child_samples=5, n_jobs=1, verbose=-1, random_state=0).fit(X[:2000], y[:2000])
+    report = compile_model(_joblib_spec(tmp_path, "lgb_deep", model, X[2000:], y[2000:], "binary", "formats: [trees]\n"), tmp_path / "repo")
+    trees = next(c for c in report.candidates if c.format == "trees")
+    assert report.selected.format == "trees" and any("node layout" in n for n in trees.notes), trees.notes
+    assert report.serve_check.status == "passed", report.serve_check
+    lone = [i for i in range(2000, 2200) if np.isnan(X[i]).any()][:6] + [i for i in range(2000, 2200) if not np.isnan(X[i]).any()][:2]
+    with LocalTriton(tmp_path / "repo", server_env=server_environment, ready_timeout_s=300) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            for rows in [X[i : i + 1] for i in lone] + [X[2200:2264]]:
+                inp = grpcclient.InferInput("features", list(rows.shape), "FP32")
+                inp.set_data_from_numpy(np.ascontiguousarray(rows))
+                result = client.infer("lgb_deep", [inp], client_timeout=60)
+                got = result.as_numpy(result.get_response().outputs[0].name).reshape(len(rows), -1)[:, -1]
+                np.testing.assert_allclose(got, model.booster_.predict(rows, num_threads=1), rtol=0, atol=1e-5)
+        finally:
+            client.close()
