@@ -51,15 +51,6 @@ def data(task: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return X.astype(np.float32), y
 
 
-def one_row_us(predict, x: np.ndarray, calls: int = 300) -> float:
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        predict(x)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
-
-
 def compile_one(name: str, task: str, model, rows: int, work: Path) -> dict:
     X, y = data(task, rows)
     cut = rows * 9 // 10
@@ -89,8 +80,67 @@ def compile_one(name: str, task: str, model, rows: int, work: Path) -> dict:
     }  # fmt: skip
     out["served"] = served_b1(work / "repository", name, X[cut:])
     if name.startswith("lgbm"):
-        booster = model.booster_
-        out["lightgbm_predict_b1_us"] = round(one_row_us(lambda x: booster.predict(x, num_threads=1), X[cut : cut + 1]), 1)
+        out["lightgbm_b1"] = lightgbm_side_by_side(work / "repository" / name, model.booster_, X[cut:], d)
+        out["lightgbm_predict_b1_us"] = out["lightgbm_b1"]["warm"]["us"]["predict_fastest"]
+    return out
+
+
+COLD_BYTES = 4 << 20  # the cold condition: this much other memory written before each timed call
+
+
+def lightgbm_side_by_side(folder: Path, booster, X: np.ndarray, work: Path, rounds: int = 7, calls: int = 400) -> dict:
+    """One row at a time, in this process, interleaved rounds (the order turning): LightGBM's own `Booster.predict` on
+    the model file (plain, and with num_threads=1: the faster of the two in each round is the peer), LightGBM's
+    single-row C API through the runtime's native runner (the `native` candidate at its fastest), and the compiled
+    version folder through the model runtime (what the Python backend and the embedded runtime call). Medians per
+    round; the ratio is taken within each round, so a slow moment slows both sides.
+
+    Two conditions: warm (calls back to back, as the compiler times them) and cold (COLD_BYTES of other memory written
+    before each call, as a server's request handling does between two lone requests: it evicts the model's arrays
+    from the caches, and the served compute of a model is above the compiler's timing for that reason)."""
+    import importlib.util
+
+    import lightgbm
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    version = max((p for p in folder.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    spec = importlib.util.spec_from_file_location("bench_trees_runtime", version / "scorestack_runtime.py")
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    config = json_format.MessageToDict(text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()), preserving_proto_field_name=True)
+    runtime = rt.ModelRuntime(folder.name, str(version), config)
+    booster.save_model(work / "native.txt")
+    native = rt.LightGBMRunner(str(work / "native.txt"), 1, {}, ["y"])
+    rows = [np.ascontiguousarray(X[i : i + 1], dtype=np.float32) for i in range(64)]
+    np.testing.assert_allclose(runtime.execute([[rows[0]]])[0][0].reshape(-1)[-1], booster.predict(rows[0], num_threads=1)[-1], rtol=1e-5)
+    loaded = lightgbm.Booster(model_file=str(work / "native.txt"))  # as a service loads it
+    fns = {"predict": lambda x: loaded.predict(x), "predict_threads_1": lambda x: loaded.predict(x, num_threads=1),
+           "native": lambda x: native.run([("x", x)]), "compiled": lambda x: runtime.execute([[x]])}
+    other = np.ones(COLD_BYTES // 8)
+    out: dict = {"rounds": rounds, "calls": calls, "format": runtime.bands[0].runtime, "cold_bytes": COLD_BYTES}
+    for condition in ("warm", "cold"):
+        per: dict[str, list[float]] = {k: [] for k in fns}
+        for r in range(rounds):
+            for k in list(fns)[r % len(fns):] + list(fns)[: r % len(fns)]:
+                fn = fns[k]
+                for x in rows[:8]:
+                    fn(x)
+                times = []
+                for i in range(calls):
+                    x = rows[i % len(rows)]
+                    if condition == "cold":
+                        other += 1.0
+                    t = time.perf_counter_ns()
+                    fn(x)
+                    times.append(time.perf_counter_ns() - t)
+                per[k].append(statistics.median(times) / 1000)
+        # LightGBM's predict at its faster call form in each round (a keyword argument costs it a parameter parse a call).
+        per["predict_fastest"] = [min(a, b) for a, b in zip(per["predict"], per["predict_threads_1"])]
+        ratio = lambda a, per=per: sorted(p / c for p, c in zip(per[a], per["compiled"]))
+        span = lambda v: [round(v[0], 2), round(statistics.median(v), 2), round(v[-1], 2)]
+        out[condition] = {"us": {k: round(statistics.median(v), 2) for k, v in per.items()}, "per_round_us": per,
+                          "predict_over_compiled": span(ratio("predict_fastest")), "native_over_compiled": span(ratio("native"))}
     return out
 
 
@@ -142,10 +192,16 @@ def render(data: dict) -> str:
         vs = m["vs_native"]
         served = m.get("served") or {}
         lg = ""
-        if "lightgbm_predict_b1_us" in m:
+        if "lightgbm_b1" in m:
+            sb = m["lightgbm_b1"]
+            lg = f"; side by side, {sb['rounds']} rounds: " + "; ".join(
+                f"{c} compiled {sb[c]['us']['compiled']:.1f}, LightGBM predict {sb[c]['us']['predict_fastest']:.1f} = {sb[c]['predict_over_compiled'][1]:.1f}x "
+                f"[{sb[c]['predict_over_compiled'][0]:.1f}–{sb[c]['predict_over_compiled'][2]:.1f}], LightGBM C API {sb[c]['us']['native']:.1f} = "
+                f"{sb[c]['native_over_compiled'][1]:.1f}x" for c in ("warm", "cold"))
+        elif "lightgbm_predict_b1_us" in m:
             lg = f"; LightGBM predict {m['lightgbm_predict_b1_us']:.0f} µs = {m['lightgbm_predict_b1_us'] / m['selected_us']['1']:.1f}x"
         sv = f"{served['compute_b1_us']:.1f} ({served['backend']}; input {served['input_b1_us']:.1f}, output {served['output_b1_us']:.1f})" if served else "–"
-        if served and "lightgbm_predict_b1_us" in m:
+        if served and "lightgbm_predict_b1_us" in m:  # Python predict against Triton's own compute time: a lower bound on the served ratio
             sv += f"; LightGBM predict / served = {m['lightgbm_predict_b1_us'] / served['compute_b1_us']:.1f}x"
         rows.append([name, f"{m['compile_s']:.0f}", m["selected"], f"{m['selected_us']['1']:.1f}{lg}", sv,
                      " / ".join(f"{vs[b]:.1f}x" for b in vs) or "–", f"{m['served_max_abs_diff']:.1e} ({m['serve_check']})"])  # fmt: skip
@@ -175,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             "compile_model, phases from its report. vs native: the source library's predict (the `native` candidate, serving threads) "
             "over the selected format, in the same worker. Served: 2,000 one-row gRPC requests to a local Triton holding only the model, "
             "its compute_infer per batch-1 execution from Triton's statistics, with the backend that served it (scorestack_native: the "
-            "library called on Triton's own threads; python: the runtime the compile timed).")  # fmt: skip
+            "library called on Triton's own threads; python: the runtime the compile timed). LightGBM side by side: one process, interleaved "
+            "rounds of one-row calls to LightGBM's Booster.predict (its faster call form), LightGBM's single-row C API (the native runner) and "
+            "the compiled folder through the model runtime; warm (back to back) and cold (4 MiB of other memory written before each call).")  # fmt: skip
     data = {"machine": machine(), "quick": args.quick, "rows": rows, "note": note, "models": results}
     write_results("trees" if not args.quick else "trees_quick", data, render(data))
     return 0

@@ -216,3 +216,35 @@ def test_pruning_keeps_a_real_prefix_of_lightgbm_iterations():
     k = report.trees_after
     assert pruned.family == "lightgbm" and pruned.n_trees == k and pruned.history == [f"pruned to {k} rounds"]
     np.testing.assert_array_equal(pruned.predict(X[1000:])[:, 0], booster.predict(X[1000:], num_iteration=k, num_threads=1))
+
+
+def test_lightgbm_runner_lone_rows_through_its_staging_equal_predict_on_concurrent_threads(tmp_path):
+    """The native LightGBM runner's lone row goes through its staged single-row call: float64 rows are
+    cast, each call keeps its own output, and callers on several threads at once (some finding the
+    buffer taken) each get LightGBM's predict of their own row; batches go through PredictForMat."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from scorestack.serve.runtime.scorestack_runtime import LightGBMRunner
+
+    X = _rows(3, 600)
+    z = np.nan_to_num(X)
+    for objective, y, extra in (("binary", (z[:, 0] + z[:, 1] > 0).astype(int), {}),
+                                ("multiclass", (z[:, 0] > 0).astype(int) + (z[:, 1] > 0.5), {"num_class": 3})):
+        path = tmp_path / f"{objective}.txt"
+        lgb.train({"verbose": -1, "num_threads": 1, "num_leaves": 15, "objective": objective, **extra}, lgb.Dataset(X, y), num_boost_round=20).save_model(path)
+        reference = lgb.Booster(model_file=str(path)).predict(X, num_threads=1)
+        runner = LightGBMRunner(str(path), 1, {}, ["y"])
+        first = runner.run([("features", X[:1])])[0]
+        second = runner.run([("features", X[1:2].astype(np.float64))])[0]
+        assert first.shape == reference[:1].shape
+        np.testing.assert_allclose(first, reference[:1], rtol=1e-12)
+        np.testing.assert_allclose(second, reference[1:2], rtol=1e-12)
+        np.testing.assert_allclose(first, reference[:1], rtol=1e-12)  # not overwritten by the second call
+        np.testing.assert_allclose(runner.run([("features", X[:50])])[0], reference[:50], rtol=1e-12)
+
+        def one(i, runner=runner):
+            return runner.run([("features", X[i : i + 1])])[0]
+
+        with ThreadPoolExecutor(8) as pool:
+            got = np.concatenate(list(pool.map(one, range(len(X)))))
+        np.testing.assert_allclose(got, reference, rtol=1e-12)

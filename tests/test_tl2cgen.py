@@ -45,6 +45,37 @@ def test_batch_entry_point_equals_tl2cgen_predictor_and_the_source(task, tmp_pat
     np.testing.assert_allclose(reference.reshape(len(X), -1), source, atol=2e-6)
 
 
+def test_small_batches_through_the_staging_buffers_equal_the_unstaged_path_under_concurrent_callers(tmp_path):
+    """Up to 64 rows go through the runner's own buffers (_Staging): any dtype is cast on the way in, each
+    call gets its own output array, and callers on several threads at once (the embedded runtime's case)
+    each get their own rows' scores, whichever of them found the buffers taken."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(10)
+    X = rng.normal(size=(600, 9)).astype(np.float32)
+    X[::7, 2] = np.nan
+    booster = xgb.train({"objective": "binary:logistic", "max_depth": 6}, xgb.DMatrix(X, (np.nan_to_num(X[:, 2]) + X[:, 0] > 0).astype(int)), 40)
+    art = compile_tl2cgen(treelite.frontend.from_xgboost(booster), tmp_path, ConvertContext(task="binary", n_features=9, target="y", sample=X[:4]))
+    reference = tl2cgen.Predictor(str(art.path), nthread=1).predict(tl2cgen.DMatrix(X))
+    runner = TL2cgenRunner(str(art.path), 1, {}, ["y"])
+    first = runner.run([("features", X[:1])])[0]
+    second = runner.run([("features", X[1:2].astype(np.float64))])[0]  # float64 rows are cast into the float32 buffer
+    assert runner.staging is not None and runner.staging.rows == 64
+    np.testing.assert_array_equal(first, reference[:1])
+    np.testing.assert_array_equal(second, reference[1:2])  # the first call's array is not overwritten by the second
+    np.testing.assert_array_equal(first, reference[:1])
+    for lo, n in ((0, 64), (64, 65), (200, 3)):  # 65 rows: past the buffers, the unstaged path
+        np.testing.assert_array_equal(runner.run([("features", X[lo : lo + n])])[0], reference[lo : lo + n])
+
+    def one(i):
+        return runner.run([("features", X[i : i + 1 + i % 3])])[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            for i, out in enumerate(pool.map(one, range(500))):
+                np.testing.assert_array_equal(out, reference[i : i + 1 + i % 3])
+
+
 def test_wrong_column_count_is_a_clear_error(tmp_path):
     rng = np.random.default_rng(8)
     X = rng.normal(size=(200, 6)).astype(np.float32)
