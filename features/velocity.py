@@ -475,7 +475,8 @@ FRAUD_VELOCITY = VelocitySpec(
 
 def spec_from_view(view) -> VelocitySpec | None:
     """The windowed counters a Feast feature view declares (field tags `window_s`, `bucket_s`,
-    `window_source`: the event field added, empty for a count); None when it declares none."""
+    `window_source`: the event field added, empty for a count; the view's tag `dedup_s`: how long
+    an event id is remembered, default VelocitySpec's); None when it declares none."""
     features = []
     for f in view.features:
         tags = f.tags or {}
@@ -484,7 +485,18 @@ def spec_from_view(view) -> VelocitySpec | None:
                 features.append(WindowedFeature(f.name, int(tags["window_s"]), tags.get("window_source") or None, int(tags.get("bucket_s", 60))))
             except ValueError as exc:
                 raise FeatureError(f"view {view.name!r}, feature {f.name!r}: window tags {tags}: {exc}") from None
-    return VelocitySpec(view.name, tuple(features)) if features else None
+    if not features:
+        return None
+    raw = (view.tags or {}).get("dedup_s")
+    if raw is None:
+        return VelocitySpec(view.name, tuple(features))
+    try:
+        dedup_s = int(raw)
+    except ValueError:
+        dedup_s = 0
+    if dedup_s < 1:
+        raise FeatureError(f"view {view.name!r}: tag dedup_s={raw!r}; give the whole seconds an event id is remembered (at least 1; default 3600)")
+    return VelocitySpec(view.name, tuple(features), dedup_s=dedup_s)
 
 
 def entity_text(entity: Any) -> str:

@@ -107,6 +107,41 @@ def test_window_must_be_a_multiple_of_its_bucket():
         VelocitySpec("v", (WindowedFeature("x", 3600, bucket_s=7),))
 
 
+def test_a_views_dedup_s_tag_sets_how_long_redis_keeps_an_event_id(redis_url, prefix):
+    """The view's `dedup_s` tag is the life of each event's marker in Redis (its TTL, read back), a
+    retry within it counts once; a tag that is not a positive whole number is refused naming it."""
+    import redis
+    from feast import Entity, FeatureView, Field, FileSource, ValueType
+    from feast.types import Float64, Int64
+
+    from scorestack.errors import FeatureError
+    from scorestack.features.velocity import spec_from_view
+
+    user = Entity(name="user", join_keys=["user_id"], value_type=ValueType.INT64)
+    source = FileSource(name="s", path="unused.parquet", timestamp_field="event_timestamp")
+
+    def view(tags):
+        return FeatureView(name="card_velocity", entities=[user], source=source, tags=tags,
+                           schema=[Field(name="n_10m", dtype=Int64, tags={"window_s": "600", "bucket_s": "60"}),
+                                   Field(name="amount_10m", dtype=Float64, tags={"window_s": "600", "bucket_s": "60", "window_source": "amount"})])
+
+    assert spec_from_view(view({})).dedup_s == 3600
+    spec = spec_from_view(view({"dedup_s": "120"}))
+    assert spec.dedup_s == 120
+    for bad in ("0", "-5", "1.5", "an hour"):
+        with pytest.raises(FeatureError, match=rf"view 'card_velocity': tag dedup_s='{bad}'; give the whole seconds an event id is remembered"):
+            spec_from_view(view({"dedup_s": bad}))
+
+    client = redis.Redis.from_url(redis_url)
+    clock = Clock()
+    counters = RedisVelocity(client, spec, prefix=prefix, clock=clock)
+    assert counters.add(7, "card-7-a", {"amount": 5.0}) == "added"
+    assert counters.add(7, "card-7-a", {"amount": 5.0}) == "duplicate"  # a retry within dedup_s
+    ttl = client.ttl(f"{prefix}card_velocity:seen:card-7-a")  # <prefix><view>:seen:<event id>
+    assert 115 <= ttl <= 120
+    assert counters.read(7) == {"n_10m": 1.0, "amount_10m": 5.0}
+
+
 def test_redis_rings_windows_of_one_resolution_and_a_changed_window(redis_url, prefix):
     """Two windows over one ring (30 min and 1 h at 5-minute buckets) each sum only their own
     buckets; a spec whose longest window changed reads a new ring (the slot count is in the key), not
