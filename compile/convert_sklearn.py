@@ -127,6 +127,13 @@ def convert_sklearn_trees(source: SourceModel, workdir: Path, ctx: ConvertContex
     return compile_tree_kernel(_treelite(source), workdir, ctx)
 
 
+def convert_sklearn_linear(source: SourceModel, workdir: Path, ctx: ConvertContext) -> Artifact:
+    """scikit-learn linear model (and the scalers before it) -> scorestack's linear kernel (compile/linear_kernel.py)."""
+    from .linear_kernel import compile_linear_kernel
+
+    return compile_linear_kernel(source.model, workdir, ctx)
+
+
 def _max_depth(model: Any) -> int | None:
     est = _final_estimator(model)
     depths = []
@@ -153,3 +160,4 @@ register_converter("sklearn-trees", "hummingbird", convert_sklearn_hummingbird)
 register_converter("sklearn", "onnx", convert_sklearn_onnx)
 register_converter("sklearn", "native", convert_sklearn_native)
 register_converter("sklearn", "hummingbird", convert_sklearn_hummingbird)
+register_converter("sklearn", "linear", convert_sklearn_linear)

@@ -167,7 +167,7 @@ def native_backend(spec: ModelSpec, artifact: Artifact, settings: TritonSettings
         return None, f"{other}: serving.native_backend is false."
     others = sorted({fmt for runtime, fmt in runtimes if runtime not in native.RUNTIMES})
     if others:
-        return None, f"{other}: scorestack's native backend serves TL2cgen and tree-kernel libraries only, and {', '.join(others)} is selected."
+        return None, f"{other}: scorestack's native backend serves TL2cgen, tree-kernel and linear-kernel libraries only, and {', '.join(others)} is selected."
     if settings.instance_kind != "KIND_CPU":
         return None, f"{other}: scorestack's native backend runs on CPU instances ({settings.instance_kind})."
     try:

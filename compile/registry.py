@@ -52,7 +52,7 @@ class DispatchBand:
 class Artifact:
     """One converted model on disk and how the model runtime runs it (serve/runtime/scorestack_runtime.py)."""
 
-    format: str  # onnx | onnx-int8 | native | tl2cgen | trees | hummingbird | tensorrt | dispatch (several, by batch size)
+    format: str  # onnx | onnx-int8 | native | tl2cgen | trees | linear | hummingbird | tensorrt | dispatch (several, by batch size)
     runtime: str  # a key of the runtime's RUNNERS table (onnxruntime | xgboost | sklearn | tl2cgen | tensorrt), or "dispatch"
     backend: str  # Triton backend: onnxruntime | python | tensorrt
     artifact_name: str  # file name inside the version folder

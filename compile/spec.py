@@ -17,7 +17,7 @@ Task = Literal["binary", "multiclass", "regression", "ranking", "image-classific
 # a torch.jit.save file; onnx-model: an ONNX graph. The three vision sources take float32 [N, C, H, W]
 # already normalized: the compiler folds the declared preprocessing in front of them.
 SourceFormat = Literal["xgboost-json", "xgboost-ubj", "lightgbm-text", "joblib", "pickle", "torch-module", "torchscript", "onnx-model"]
-Format = Literal["onnx", "onnx-int8", "native", "tl2cgen", "trees", "hummingbird", "tensorrt", "tensorrt-int8", "onnx-tensorrt"]
+Format = Literal["onnx", "onnx-int8", "native", "tl2cgen", "trees", "linear", "hummingbird", "tensorrt", "tensorrt-int8", "onnx-tensorrt"]
 VISION_SOURCES = ("torch-module", "torchscript", "onnx-model")
 
 
@@ -338,7 +338,7 @@ _FIXES = {
     "serving.dispatch": "write true (serve the fastest format per batch size) or false (one format for all)",
     "threads": "give a thread count such as 1, or a list such as [1, 2]",
     "holdout": "give a .npz file with arrays X and y (and group for ranking)",
-    "formats": "use some of onnx, onnx-int8, native, tl2cgen, trees, hummingbird, tensorrt, tensorrt-int8, onnx-tensorrt",
+    "formats": "use some of onnx, onnx-int8, native, tl2cgen, trees, linear, hummingbird, tensorrt, tensorrt-int8, onnx-tensorrt",
     "target": "use cpu or gpu",
     "build_budget_s": "give the seconds one candidate's native build may take, such as 60",
 }

@@ -35,7 +35,7 @@ from scorestack.serve.native import LIBRARY as NATIVE_LIBRARY
 
 pytestmark = pytest.mark.slow  # a long module: scheduled first in the parallel run (tests/conftest.py)
 
-FORMATS = ("onnx", "native", "tl2cgen", "trees", "hummingbird")
+FORMATS = ("onnx", "native", "tl2cgen", "trees", "linear", "hummingbird")
 N_FEATURES = 6
 TOLERANCE = 1e-5
 
@@ -176,7 +176,7 @@ def test_every_format_either_serves_exactly_or_is_refused_with_a_reason(matrix, 
         assert set(report.artifact_sha256) >= {f"1/{report.selected.artifact}", "1/model.py", "1/scorestack_runtime.py"}
         # Batch libraries are served by scorestack's native backend (its library in the version
         # folder, under SHA256SUMS), everything else by the Python backend's model runtime.
-        native = report.selected.format in ("tl2cgen", "trees")
+        native = report.selected.format in ("tl2cgen", "trees", "linear")
         assert (report.selected.backend == "scorestack") == native, name
         assert (f"1/{NATIVE_LIBRARY}" in report.artifact_sha256) == native, name
 
@@ -199,6 +199,10 @@ def test_every_format_either_serves_exactly_or_is_refused_with_a_reason(matrix, 
         notes = next(c.notes for c in compiled[f"{tree}__trees"].candidates if c.format == "trees")
         assert any("node layout" in n for n in notes), (tree, notes)
     assert "no trees converter" in str(refused["linear_reg__trees"])
+    # scorestack's linear kernel serves the linear pipelines (scaler folded in), and only them.
+    for linear in ("linear_binary", "linear_multi", "linear_reg"):
+        assert f"{linear}__linear" in compiled, f"{linear}: linear refused: {refused.get(f'{linear}__linear')}"
+    assert "no linear converter" in str(refused["xgb_binary__linear"]) and "no linear converter" in str(refused["skl_gbr__linear"])
     assert "missing-value handling" in str(refused["lgb_multi__hummingbird"])
 
     by_source = {s.name: s for s in sources}
@@ -263,4 +267,4 @@ def test_embedded_mode_runs_every_format_the_matrix_compiled(matrix):
             lone = np.concatenate([embedded.infer(name, [(inp, "FP32", X[i : i + 1])], [out])[out] for i in range(3)]).astype(np.float64)
             np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=TOLERANCE, err_msg=name)
             np.testing.assert_allclose(lone.reshape(want[:3].shape), want[:3], rtol=0, atol=TOLERANCE, err_msg=name)
-    assert {n.split("__")[1] for n in compiled} >= {"onnx", "native", "tl2cgen", "trees"}  # every family's formats ran here
+    assert {n.split("__")[1] for n in compiled} >= {"onnx", "native", "tl2cgen", "trees", "linear"}  # every family's formats ran here
