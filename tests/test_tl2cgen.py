@@ -76,6 +76,16 @@ def test_small_batches_through_the_staging_buffers_equal_the_unstaged_path_under
                 np.testing.assert_array_equal(out, reference[i : i + 1 + i % 3])
 
 
+def test_a_wide_models_staging_holds_fewer_rows_not_megabytes():
+    from scorestack.serve.runtime.scorestack_runtime import _Staging
+
+    args = lambda n, xp, op: (n, xp, op)
+    assert _Staging(30, np.float32, (1, 1), np.float32, args).rows == 64
+    assert _Staging(20_000, np.float32, (1, 1), np.float32, args).rows == 13  # 1 MiB // 80,004 bytes a row
+    wide = _Staging(1_000_000, np.float32, (1, 3), np.float32, args)
+    assert wide.rows == 1 and wide.x.shape == (1, 1_000_000)
+
+
 def test_wrong_column_count_is_a_clear_error(tmp_path):
     rng = np.random.default_rng(8)
     X = rng.normal(size=(200, 6)).astype(np.float32)

@@ -292,8 +292,11 @@ class _Staging:
     """
 
     ROWS = 64
+    MAX_BYTES = 1 << 20  # a very wide model stages fewer rows (at least one), not megabytes of buffer
 
     def __init__(self, n_cols, in_dtype, out_shape, out_dtype, make_args, rows=ROWS):
+        row_bytes = n_cols * np.dtype(in_dtype).itemsize + int(np.prod(out_shape)) * np.dtype(out_dtype).itemsize
+        rows = max(1, min(rows, self.MAX_BYTES // max(1, row_bytes)))
         self.n_cols = n_cols
         self.x = np.zeros((rows, n_cols), dtype=in_dtype)
         self.out = np.zeros((rows, *out_shape), dtype=out_dtype)
