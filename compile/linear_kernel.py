@@ -3,9 +3,9 @@ scalers before it, compiled to C.
 
 A Pipeline of scalers (StandardScaler, MinMaxScaler, MaxAbsScaler, RobustScaler, "passthrough") and
 a linear model is one affine map of the raw features, `z = W x + b`, followed by the model's link:
-the identity for a regressor, the logistic function for a binary LogisticRegression (the
-probability of `classes_[1]`), softmax for a multinomial one, normalized logistic functions for a
-one-vs-rest one. The scalers are folded into W and b (in float64) at compile time, so a row costs
+the identity for a regressor, the logistic function for a binary LogisticRegression or SGDClassifier(loss="log_loss") (the
+probability of `classes_[1]`), softmax for a multinomial LogisticRegression, normalized logistic
+functions for a one-vs-rest one (SGDClassifier's multiclass). The scalers are folded into W and b (in float64) at compile time, so a row costs
 one pass over its features per output. The library speaks the batch ABI of the tree kernel and
 TL2cgen (`scorestack_predict_batch`, compile/_tree_commons.py), so the runtime's ctypes runner and
 scorestack's native backend serve it: a lone request no longer pays the Python backend's round
@@ -30,7 +30,7 @@ LINEAR_KERNEL_ARTIFACT = "model-linear.so"
 
 REGRESSORS = frozenset({"LinearRegression", "Ridge", "RidgeCV", "Lasso", "LassoCV", "ElasticNet", "ElasticNetCV", "SGDRegressor", "BayesianRidge",
                         "HuberRegressor", "LassoLars", "Lars", "OrthogonalMatchingPursuit", "ARDRegression"})  # fmt: skip
-CLASSIFIERS = frozenset({"LogisticRegression", "LogisticRegressionCV"})
+CLASSIFIERS = frozenset({"LogisticRegression", "LogisticRegressionCV", "SGDClassifier"})
 SCALERS = frozenset({"StandardScaler", "MinMaxScaler", "MaxAbsScaler", "RobustScaler"})
 
 
@@ -75,12 +75,16 @@ def affine_form(model: Any, task: str, n_features: int) -> tuple[np.ndarray, np.
             raise Skip(f"{name} with {coef.shape[0]} targets: the linear kernel scores one")
         link = "identity"
     elif name in CLASSIFIERS:
+        if name == "SGDClassifier" and est.loss != "log_loss":
+            raise Skip(f"SGDClassifier(loss={est.loss!r}): the linear kernel computes log_loss's probabilities only")
         coef = np.atleast_2d(np.asarray(est.coef_, float))
         k = len(est.classes_)
         if task == "binary" and k == 2:
             link = "sigmoid"
         elif task == "multiclass" and k > 2:
-            ovr = getattr(est, "multi_class", None) == "ovr" or (getattr(est, "multi_class", None) in (None, "auto", "deprecated") and est.solver == "liblinear")
+            # SGDClassifier is one-vs-rest; LogisticRegression multinomial unless fitted one-vs-rest.
+            multi_class = getattr(est, "multi_class", None)
+            ovr = name == "SGDClassifier" or multi_class == "ovr" or (multi_class in (None, "auto", "deprecated") and est.solver == "liblinear")
             link = "ovr" if ovr else "softmax"
         else:
             raise Skip(f"{name} with {k} classes does not fit the spec's task {task}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sklearn.linear_model import LinearRegression, LogisticRegression, Ridge
+from sklearn.linear_model import LinearRegression, LogisticRegression, Ridge, SGDClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import MaxAbsScaler, MinMaxScaler, PolynomialFeatures, RobustScaler, StandardScaler
 from sklearn.svm import LinearSVC
@@ -31,6 +31,7 @@ CASES = {
     "minmax_logistic_no_intercept": ("binary", lambda: make_pipeline(MinMaxScaler(), LogisticRegression(fit_intercept=False, max_iter=1000)), lambda z: (z > 0.5).astype(int)),
     "robust_maxabs_multinomial": ("multiclass", lambda: make_pipeline(RobustScaler(), MaxAbsScaler(), LogisticRegression(max_iter=2000)), lambda z: np.digitize(z, [-1, 1])),
     "standard_no_mean_multinomial": ("multiclass", lambda: make_pipeline(StandardScaler(with_mean=False), LogisticRegression(C=0.5, max_iter=2000)), lambda z: np.digitize(z, [-1, 0, 1])),
+    "standard_sgd_log_loss_one_vs_rest": ("multiclass", lambda: make_pipeline(StandardScaler(), SGDClassifier(loss="log_loss", random_state=0)), lambda z: np.digitize(z, [-1, 1])),
     "bare_linear_regression": ("regression", lambda: LinearRegression(), lambda z: 300 * z + 40),
     "standard_ridge": ("regression", lambda: make_pipeline(StandardScaler(), Ridge(alpha=3.0)), lambda z: z * z + z),
 }
@@ -69,6 +70,7 @@ def test_linear_kernel_equals_the_source(case, tmp_path):
         (make_pipeline(PolynomialFeatures(2), LogisticRegression()), "binary", "pipeline step PolynomialFeatures: the linear kernel folds MaxAbsScaler, MinMaxScaler, RobustScaler, StandardScaler only"),
         (make_pipeline(MinMaxScaler(clip=True), LogisticRegression()), "binary", r"MinMaxScaler\(clip=True\): clipping is not an affine map"),
         (LinearSVC(), "binary", "LinearSVC: the linear kernel compiles"),
+        (SGDClassifier(loss="hinge"), "binary", r"SGDClassifier\(loss='hinge'\): the linear kernel computes log_loss's probabilities only"),
         (LogisticRegression(), "regression", None),
         (Ridge(), "binary", "Ridge is a regressor; the spec's task is binary"),
     ],
