@@ -94,6 +94,18 @@ def test_wrong_column_count_is_a_clear_error(tmp_path):
     runner = TL2cgenRunner(str(art.path), 1, {}, ["y"])
     with pytest.raises(ValueError, match="5 input columns"):
         runner.run([("features", X[:, :5])])
+    good = runner.run([("features", X[:1])])[0]  # a first request of the wrong width does not keep its staging
+    assert runner.staging.n_cols == 6
+    with pytest.raises(ValueError, match="5 input columns"):  # a later bad request leaves the right staging alone
+        runner.run([("features", X[:1, :5])])
+    assert runner.staging.n_cols == 6
+    np.testing.assert_array_equal(runner.run([("features", X[:1])])[0], good)
+    fresh = TL2cgenRunner(str(art.path), 1, {}, ["y"])
+    with pytest.raises(ValueError, match="5 input columns"):  # a first lone request of the wrong width: its staging goes
+        fresh.run([("features", X[:1, :5])])
+    assert fresh.staging is None
+    np.testing.assert_array_equal(fresh.run([("features", X[:1])])[0], good)
+    np.testing.assert_array_equal(good, TL2cgenRunner(str(art.path), 1, {}, ["y"]).run([("features", X[:2])])[0][:1])
 
 
 def test_a_build_over_its_budget_is_stopped_and_names_the_setting(tmp_path):

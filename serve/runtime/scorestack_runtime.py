@@ -541,6 +541,9 @@ class TL2cgenRunner:
         n_cols = x.shape[1]
         rc = self.batch(x.ctypes.data + lo * n_cols * 4, hi - lo, n_cols, 0, out.ctypes.data + lo * self.n_outputs * out.itemsize)
         if rc != 0:
+            staging = getattr(self, "staging", None)
+            if rc == -1 and staging is not None and staging.n_cols == n_cols:  # made for a request of the wrong width
+                self.staging = None
             self._failed(rc, n_cols)
 
     @staticmethod
@@ -560,6 +563,8 @@ class TL2cgenRunner:
                 x_rows[...] = x  # any dtype, cast as numpy assigns
                 rc = self.staged_batch(*args)
                 if rc != 0:
+                    if rc == -1:  # made for a request of the wrong width: the next call makes it again
+                        self.staging = None
                     self._failed(rc, staging.n_cols)
                 return [out_rows.copy()]
             finally:
