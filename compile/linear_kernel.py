@@ -68,7 +68,7 @@ def affine_form(model: Any, task: str, n_features: int) -> tuple[np.ndarray, np.
         s, t = _scaler(step, n_features)
         scale, shift = scale * s, shift * s + t
     if name in REGRESSORS:
-        if task != "regression":
+        if task not in ("regression", "ranking"):
             raise Skip(f"{name} is a regressor; the spec's task is {task}")
         coef = np.atleast_2d(np.asarray(est.coef_, float))
         if coef.shape[0] != 1:
