@@ -98,20 +98,15 @@ def lightgbm_side_by_side(folder: Path, booster, X: np.ndarray, work: Path, roun
     Two conditions: warm (calls back to back, as the compiler times them) and cold (COLD_BYTES of other memory written
     before each call, as a server's request handling does between two lone requests: it evicts the model's arrays
     from the caches, and the served compute of a model is above the compiler's timing for that reason)."""
-    import importlib.util
-
     import lightgbm
-    from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2
 
-    version = max((p for p in folder.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    spec = importlib.util.spec_from_file_location("bench_trees_runtime", version / "scorestack_runtime.py")
-    rt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rt)
-    config = json_format.MessageToDict(text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()), preserving_proto_field_name=True)
-    runtime = rt.ModelRuntime(folder.name, str(version), config)
+    from scorestack.serve.embedded import _Model
+
+    # The version folder as the embedded mode loads it: its own runtime file, its reference rows reproduced first.
+    model = _Model(folder.name, folder)
+    runtime = model.runtime
     booster.save_model(work / "native.txt")
-    native = rt.LightGBMRunner(str(work / "native.txt"), 1, {}, ["y"])
+    native = model.runtime_module.LightGBMRunner(str(work / "native.txt"), 1, {}, ["y"])
     rows = [np.ascontiguousarray(X[i : i + 1], dtype=np.float32) for i in range(64)]
     np.testing.assert_allclose(runtime.execute([[rows[0]]])[0][0].reshape(-1)[-1], booster.predict(rows[0], num_threads=1)[-1], rtol=1e-5)
     loaded = lightgbm.Booster(model_file=str(work / "native.txt"))  # as a service loads it

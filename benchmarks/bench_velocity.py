@@ -343,25 +343,25 @@ def main() -> None:
                      f"{sum(v['c16_cpu_us'].values()):.0f}"] for k, v in fetch.items() if isinstance(v, dict) and v.get("c16_cpu_us")]),
         ]
         if "fraud path on" in fetch:  # the goal's own terms: the whole fraud request, the model in the local Triton
-            p_off, p_on = fetch["fraud path off"], fetch["fraud path on"]
-            per_round = list(zip(p_off["rounds"], p_on["rounds"]))
-            c1_rounds = [b["c1_p50_ms"] / a["c1_p50_ms"] for a, b in per_round]
-            c16_rounds = [b["c16_rate"] / a["c16_rate"] for a, b in per_round]
-            lines += ["", f"The whole fraud path (FraudService over gRPC to the local Triton, rows \"fraud path\" above), on / off: c1 p50 "
-                      f"{p_on['c1_p50_ms'] / p_off['c1_p50_ms']:.3f}x (rounds {min(c1_rounds):.3f}-{max(c1_rounds):.3f}), c16 req/s "
-                      f"{p_on['c16_rate'] / p_off['c16_rate']:.3f}x (rounds {min(c16_rounds):.3f}-{max(c16_rounds):.3f}) (goal: within 5%)."]
+            p_on = fetch["fraud path on"]
+            lines += ["", "The whole fraud path (FraudService over gRPC to the local Triton, rows \"fraud path\" above), on / off: "
+                      f"{_ratios(fetch['fraud path off'], p_on)} (goal: within 5%)."]
             p_read = fetch.get("fraud path windows read, no write-back")
             if p_read:  # the write-back alone: the same windowed features read on both sides
-                per_round = list(zip(p_read["rounds"], p_on["rounds"]))
-                c1_rounds = [b["c1_p50_ms"] / a["c1_p50_ms"] for a, b in per_round]
-                c16_rounds = [b["c16_rate"] / a["c16_rate"] for a, b in per_round]
                 lines += ["", "The write-back alone (the same windowed features read on both sides; a team whose stream processor fills the "
-                          "buckets runs the second row): on / windows read, no write-back: c1 p50 "
-                          f"{p_on['c1_p50_ms'] / p_read['c1_p50_ms']:.3f}x (rounds {min(c1_rounds):.3f}-{max(c1_rounds):.3f}), c16 req/s "
-                          f"{p_on['c16_rate'] / p_read['c16_rate']:.3f}x (rounds {min(c16_rounds):.3f}-{max(c16_rounds):.3f})."]
+                          f"buckets runs the second row): on / windows read, no write-back: {_ratios(p_read, p_on)}."]
     if not args.only_fetch:
         write_results("velocity", data, "\n".join(lines))
     print("\n".join(lines))
+
+
+def _ratios(base: dict, other: dict) -> str:
+    """`other` over `base`: c1 p50 and c16 req/s, overall and the range of the rounds' own ratios."""
+    per_round = list(zip(base["rounds"], other["rounds"]))
+    c1 = [b["c1_p50_ms"] / a["c1_p50_ms"] for a, b in per_round]
+    c16 = [b["c16_rate"] / a["c16_rate"] for a, b in per_round]
+    return (f"c1 p50 {other['c1_p50_ms'] / base['c1_p50_ms']:.3f}x (rounds {min(c1):.3f}-{max(c1):.3f}), c16 req/s "
+            f"{other['c16_rate'] / base['c16_rate']:.3f}x (rounds {min(c16):.3f}-{max(c16):.3f})")
 
 
 if __name__ == "__main__":

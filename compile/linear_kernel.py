@@ -17,8 +17,6 @@ regression targets) is refused by name; the other candidates (ONNX, scikit-learn
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -148,19 +146,12 @@ int scorestack_predict_batch(const float* X, int64_t n_rows, int32_t n_cols, int
 
 def compile_linear_kernel(model: Any, workdir: Path, ctx: ConvertContext) -> Artifact:
     """The linear-kernel candidate of a scikit-learn linear model (format `linear`)."""
+    from scorestack.serve.cbuild import build_library
+
     from ._tree_commons import batch_library_artifact
 
-    if shutil.which("gcc") is None:
-        raise Skip("gcc not found: the linear kernel needs a C compiler")
     weights, bias, link = affine_form(model, ctx.task, ctx.n_features)
-    out = workdir / LINEAR_KERNEL_ARTIFACT
-    source = out.with_suffix(".c")
-    source.write_text(kernel_source(weights, bias, link))
-    try:
-        done = subprocess.run(["gcc", "-O3", "-fPIC", "-shared", "-std=c99", "-o", str(out), str(source), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise Skip(f"gcc failed to build the linear kernel: {done.stderr.strip()[:500]}")
-    finally:
-        source.unlink(missing_ok=True)
+    out = build_library(kernel_source(weights, bias, link), workdir / LINEAR_KERNEL_ARTIFACT, error=Skip, what="the linear kernel",
+                        flags=("-O3", "-std=c99"), libs=("-lm",))
     how = f"linear kernel: {weights.shape[0]} output(s) over {weights.shape[1]} features, link {link}, the scalers folded into the weights"
     return batch_library_artifact("linear", out, ctx, [how])

@@ -514,7 +514,7 @@ class TL2cgenRunner:
             fn.restype = ctypes.c_int
             self.lib, self.batch = lib, fn  # ctypes releases the GIL during the call
             # Staged batches (up to _Staging.ROWS rows) call the same function holding the GIL: a
-            # release and re-take cost ~0.15-0.3 µs a call here (timeit), a fifth of a small model.
+            # release and re-take cost about 0.3 µs a call here (timeit).
             self.staged_batch = ctypes.PyDLL(os.path.abspath(path)).scorestack_predict_batch
             self.staged_batch.argtypes, self.staged_batch.restype = fn.argtypes, fn.restype
             self.staging = None  # made at the first call, which gives the column count
